@@ -1,0 +1,1 @@
+"""jaxchat: nanochat's base-model pretraining in JAX / Flax NNX."""

@@ -1,0 +1,94 @@
+"""Small things every module needs: the base directory, printing from process 0,
+the device kind and its compute dtype, peak FLOP/s for MFU, a wandb stand-in."""
+
+import logging
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+BASE_DIR_ENV = "JAXCHAT_BASE_DIR"
+
+
+def get_base_dir() -> str:
+    """Where tokenizer, data, checkpoints and reports live: $JAXCHAT_BASE_DIR or ~/.cache/jaxchat."""
+    base_dir = os.environ.get(BASE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "jaxchat")
+    os.makedirs(base_dir, exist_ok=True)
+    return base_dir
+
+
+def is_master() -> bool:
+    """Process 0 logs, samples and writes reports. (Only call once JAX is initialised.)"""
+    return jax.process_index() == 0
+
+
+def print0(*args, **kwargs) -> None:
+    if jax.process_index() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def backend() -> str:
+    """'gpu', 'tpu' or 'cpu': the platform of the default devices."""
+    return jax.default_backend()
+
+
+def compute_dtype(platform: str | None = None) -> jnp.dtype:
+    """bfloat16 matmuls on accelerators; float32 on CPU, where bf16 is emulated and slower."""
+    platform = platform or backend()
+    return jnp.bfloat16 if platform in ("gpu", "cuda", "rocm", "tpu") else jnp.float32
+
+
+# Dense bf16 peak FLOP/s per chip (no 2:4 sparsity), matched against jax's device_kind.
+# Order matters: the first substring that matches wins (so "H100 PCIe" before "H100").
+PEAK_FLOPS_BF16 = [
+    ("GH200", 989e12),
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("B200", 2250e12),
+    ("B100", 1750e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("A10G", 125e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+    ("V100", 125e12),
+    ("TPU v6", 918e12),
+    ("TPU v5p", 459e12),
+    ("TPU v5 lite", 197e12),
+    ("TPU v5e", 197e12),
+    ("TPU v4", 275e12),
+]
+
+
+def peak_flops_per_device(device: jax.Device | None = None) -> float | None:
+    """Peak bf16 FLOP/s of one device, or None where the kind is unknown (MFU then says n/a)."""
+    device = device or jax.devices()[0]
+    kind = getattr(device, "device_kind", "")
+    for name, flops in PEAK_FLOPS_BF16:
+        if name.lower() in kind.lower():
+            return flops
+    return None
+
+
+class DummyWandb:
+    """Stands in for a wandb run when logging is off (--run dummy, or not process 0)."""
+
+    def log(self, *args, **kwargs) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+def quiet_jax_warnings() -> None:
+    """Silence JAX/absl chatter that means nothing to a user; real errors still surface."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
+    # Donating buffers that XLA cannot reuse (e.g. on CPU) is harmless.
+    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
