@@ -1,0 +1,290 @@
+"""The GPT against SPEC §1-4: counts, an independent float64 NumPy forward, windows, GQA, KV cache,
+losses, and the nanochat state-dict interop."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxchat.attention import causal_attention
+from jaxchat.gpt import (
+    GPT,
+    CausalSelfAttention,
+    GPTConfig,
+    from_nanochat_state_dict,
+    param_shapes,
+    to_nanochat_state_dict,
+)
+
+TINY = GPTConfig(sequence_len=16, vocab_size=100, n_layer=3, n_head=4, n_kv_head=2, n_embd=32, window_pattern="SL")
+
+
+def randomized(config: GPTConfig, seed: int = 0) -> GPT:
+    """A model whose every parameter is random and O(1)-scaled, so that no part of the forward is a no-op
+    (at init the projections are zero and x0_lambdas too)."""
+    model = GPT(config, rngs=nnx.Rngs(seed))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    new = [
+        (jax.random.normal(k, x.shape) * (0.5 if x.ndim == 1 else 1 / math.sqrt(x.shape[0]))
+         + (1.0 if x.ndim == 1 else 0.0))
+        for k, x in zip(keys, leaves)
+    ]
+    state = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(state, jax.tree.unflatten(treedef, new))
+    nnx.update(model, state)
+    return model
+
+
+# ---- independent float64 reference of SPEC §2 -----------------------------------------------------
+def np_forward(sd: dict, config: GPTConfig, idx: np.ndarray) -> np.ndarray:
+    """SPEC §2 in float64 NumPy on nanochat's state dict (PyTorch (out, in) weights)."""
+    eps = np.finfo(np.float32).eps  # the compute dtype on CPU is float32
+
+    def rms(x):
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+
+    B, T = idx.shape
+    H, Hkv, D, C = config.n_head, config.n_kv_head, config.n_embd // config.n_head, config.n_embd
+    inv_freq = (1.0 / (10000 ** (np.arange(0, D, 2, dtype=np.float32) / D))).astype(np.float32)
+    angles = np.arange(T, dtype=np.float32)[:, None] * inv_freq[None, :]  # float32 as nanochat's table
+    to_bf16 = lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float64)  # noqa: E731
+    cos, sin = to_bf16(np.cos(angles.astype(np.float64))), to_bf16(np.sin(angles.astype(np.float64)))
+
+    def rotary(x):  # (B, T, h, D)
+        x1, x2 = x[..., : D // 2], x[..., D // 2 :]
+        c, s = cos[None, :, None, :], sin[None, :, None, :]
+        return np.concatenate([x1 * c + x2 * s, -x1 * s + x2 * c], axis=-1)
+
+    pattern = config.window_pattern
+    windows = [config.sequence_len if pattern[i % len(pattern)] == "L" else config.sequence_len // 2
+               for i in range(config.n_layer)]
+    windows[-1] = config.sequence_len
+    W = lambda name: sd[name].astype(np.float64)  # noqa: E731
+    x = rms(W("transformer.wte.weight")[idx])
+    x0 = x
+    i_pos, j_pos = np.arange(T)[:, None], np.arange(T)[None, :]
+    for layer in range(config.n_layer):
+        p = f"transformer.h.{layer}."
+        x = W("resid_lambdas")[layer] * x + W("x0_lambdas")[layer] * x0
+        h = rms(x)
+        q = (h @ W(p + "attn.c_q.weight").T).reshape(B, T, H, D)
+        k = (h @ W(p + "attn.c_k.weight").T).reshape(B, T, Hkv, D)
+        v = (h @ W(p + "attn.c_v.weight").T).reshape(B, T, Hkv, D)
+        q, k = rms(rotary(q)), rms(rotary(k))
+        k, v = np.repeat(k, H // Hkv, axis=2), np.repeat(v, H // Hkv, axis=2)
+        scores = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(D)
+        allowed = (i_pos - j_pos >= 0) & (i_pos - j_pos <= windows[layer])
+        scores = np.where(allowed, scores, -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        y = np.einsum("bhts,bshd->bthd", probs, v).reshape(B, T, C)
+        x = x + y @ W(p + "attn.c_proj.weight").T
+        hidden = np.maximum(rms(x) @ W(p + "mlp.c_fc.weight").T, 0) ** 2
+        x = x + hidden @ W(p + "mlp.c_proj.weight").T
+    logits = (rms(x) @ W("lm_head.weight").T)[..., : config.vocab_size]
+    return 15 * np.tanh(logits / 15)
+
+
+def np_cross_entropy(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    m = logits.max(-1, keepdims=True)
+    logz = (m + np.log(np.exp(logits - m).sum(-1, keepdims=True)))[..., 0]
+    out = np.zeros(targets.shape)
+    for b, t in np.ndindex(targets.shape):
+        if targets[b, t] >= 0:
+            out[b, t] = logz[b, t] - logits[b, t, targets[b, t]]
+    return out
+
+
+# ---- counting -------------------------------------------------------------------------------------
+def spec_flops(config: GPTConfig, n_params: int) -> int:
+    """SPEC §4 written out: 6 (N - wte - lambdas) + sum_l 12 H D min(window_l, T)."""
+    V, C, L = config.padded_vocab_size, config.n_embd, config.n_layer
+    windows = [config.sequence_len if config.window_pattern[i % len(config.window_pattern)] == "L"
+               else config.sequence_len // 2 for i in range(L)]
+    windows[-1] = config.sequence_len
+    attn = sum(12 * config.n_head * (C // config.n_head) * min(w, config.sequence_len) for w in windows)
+    return 6 * (n_params - V * C - 2 * L) + attn
+
+
+def test_d20_parameter_count_and_flops():
+    config = GPTConfig(sequence_len=2048, vocab_size=65536, n_layer=20, n_head=10, n_kv_head=10, n_embd=1280)
+    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))  # shapes only: no memory spent
+    assert model.num_scaling_params() == 560_988_200
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    assert params["wte"]["embedding"].shape == (65536, 1280)
+    assert params["blocks"][19]["mlp"]["c_fc"]["kernel"].shape == (1280, 5120)
+    assert model.estimate_flops() == spec_flops(config, 560_988_200)
+
+
+def test_windowed_small_config_flops():
+    config = GPTConfig(sequence_len=64, vocab_size=1000, n_layer=5, n_head=2, n_kv_head=1, n_embd=64, window_pattern="SSL")
+    model = GPT(config, rngs=nnx.Rngs(0))
+    n = model.num_scaling_params()
+    assert n == sum(math.prod(s) for s in param_shapes(config).values())
+    assert model.estimate_flops() == spec_flops(config, n)
+    assert config.window_sizes() == (32, 32, 64, 32, 64)
+
+
+def test_vocab_padding_and_init_table():
+    config = GPTConfig(sequence_len=8, vocab_size=1000, n_layer=2, n_head=2, n_kv_head=2, n_embd=256)
+    assert config.padded_vocab_size == 1024
+    sd = to_nanochat_state_dict(GPT(config, rngs=nnx.Rngs(0)))
+    assert sd["transformer.wte.weight"].shape == (1024, 256)
+    assert abs(sd["transformer.wte.weight"].std() - 1.0) < 0.01
+    assert abs(sd["lm_head.weight"].std() - 0.001) < 1e-4
+    bound = math.sqrt(3) / math.sqrt(256)
+    for name in ("attn.c_q", "attn.c_k", "attn.c_v", "mlp.c_fc"):
+        w = sd[f"transformer.h.0.{name}.weight"]
+        assert np.abs(w).max() <= bound and np.abs(w).max() > 0.95 * bound
+        assert abs(w.std() - bound / math.sqrt(3)) < 0.05 * bound
+    for name in ("attn.c_proj", "mlp.c_proj"):
+        assert not sd[f"transformer.h.1.{name}.weight"].any()
+    np.testing.assert_array_equal(sd["resid_lambdas"], np.ones(2))
+    np.testing.assert_array_equal(sd["x0_lambdas"], np.zeros(2))
+
+
+# ---- the forward ----------------------------------------------------------------------------------
+def test_logits_match_float64_numpy_reference():
+    model = randomized(TINY)
+    idx = np.random.default_rng(0).integers(0, TINY.vocab_size, size=(2, TINY.sequence_len))
+    logits = np.asarray(model(jnp.asarray(idx)))
+    assert logits.shape == (2, TINY.sequence_len, TINY.vocab_size) and logits.dtype == np.float32
+    ref = np_forward(to_nanochat_state_dict(model), TINY, idx)
+    rel = np.linalg.norm(logits - ref) / np.linalg.norm(ref)
+    assert rel < 1e-5, rel
+
+
+def test_loss_ignores_minus_one_and_none_reduction():
+    model = randomized(TINY, seed=3)
+    rng = np.random.default_rng(1)
+    idx = rng.integers(0, TINY.vocab_size, size=(2, 12))
+    targets = rng.integers(0, TINY.vocab_size, size=(2, 12))
+    targets[0, :5] = -1
+    targets[1, 7] = -1
+    ref = np_cross_entropy(np_forward(to_nanochat_state_dict(model), TINY, idx), targets)
+    per_token = np.asarray(model(jnp.asarray(idx), jnp.asarray(targets), loss_reduction="none"))
+    assert per_token.shape == (2, 12)
+    np.testing.assert_allclose(per_token, ref, rtol=1e-5, atol=1e-5)
+    assert (per_token[targets < 0] == 0).all()
+    mean = float(model(jnp.asarray(idx), jnp.asarray(targets)))
+    np.testing.assert_allclose(mean, ref[targets >= 0].mean(), rtol=1e-5)
+
+
+# ---- attention windows and GQA ---------------------------------------------------------------------
+def test_window_semantics_in_attention():
+    T, w = 16, 4
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, T, 2, 8)), jnp.float32) for _ in range(3))
+    base = causal_attention(q, k, v, window=w)
+    i = 12
+    far = i - w - 1  # outside the window: no effect on position i
+    near = i - w  # the oldest key inside the window
+    for pos, should_change in ((far, False), (near, True), (i, True)):
+        k2, v2 = k.at[:, pos].add(1.0), v.at[:, pos].add(1.0)
+        out = causal_attention(q, k2, v2, window=w)
+        changed = not np.allclose(out[:, i], base[:, i], atol=1e-6)
+        assert changed == should_change, (pos, changed)
+        assert np.allclose(out[:, :pos], base[:, :pos], atol=1e-6)  # causality
+
+
+def test_window_semantics_in_model_layers():
+    config = GPTConfig(sequence_len=16, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=16, window_pattern="S")
+    assert config.window_sizes() == (8, 16)  # last layer is always full
+    model = randomized(config, seed=5)
+    attn: CausalSelfAttention = model.blocks[0].attn
+    x = jax.random.normal(jax.random.key(0), (1, 16, 16))
+    from jaxchat.gpt import rotary_cos_sin
+
+    cos, sin = rotary_cos_sin(jnp.arange(16), config.head_dim)
+    base = attn(x, cos, sin)
+    out = attn(x.at[:, 15 - 9].add(1.0), cos, sin)
+    np.testing.assert_allclose(out[:, 15], base[:, 15], atol=1e-6)  # 9 back: outside window 8
+    out = attn(x.at[:, 15 - 8].add(1.0), cos, sin)
+    assert not np.allclose(out[:, 15], base[:, 15], atol=1e-6)
+    # the whole model sees everything through its last (full) layer
+    idx = jnp.arange(16)[None] % 64
+    full = model(idx)
+    assert not np.allclose(model(idx.at[:, 0].set(63))[:, 15], full[:, 15], atol=1e-6)
+
+
+def test_gqa_equals_repeated_heads():
+    config = GPTConfig(sequence_len=16, vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, window_pattern="L")
+    gqa = randomized(config, seed=7)
+    sd = to_nanochat_state_dict(gqa)
+    D, G = config.head_dim, config.n_head // config.n_kv_head
+    for i in range(config.n_layer):
+        for name in ("c_k", "c_v"):
+            key = f"transformer.h.{i}.attn.{name}.weight"  # (Hkv*D, C): repeat each head's D rows G times
+            w = sd[key].reshape(config.n_kv_head, D, config.n_embd)
+            sd[key] = np.repeat(w, G, axis=0).reshape(config.n_head * D, config.n_embd)
+    mha_config = GPTConfig(**{**config.__dict__, "n_kv_head": config.n_head})
+    mha = from_nanochat_state_dict(mha_config, sd)
+    idx = jnp.asarray(np.random.default_rng(0).integers(0, 64, size=(2, 16)))
+    np.testing.assert_allclose(gqa(idx), mha(idx), rtol=1e-5, atol=1e-5)
+
+
+# ---- KV cache -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("prompt_len", [3, 11])
+def test_kv_cache_decode_equals_full_forward(prompt_len):
+    # window 8 (S) on the first layers: decoding past position 8 exercises the window; past 16 the L layer too
+    config = GPTConfig(sequence_len=16, vocab_size=64, n_layer=3, n_head=2, n_kv_head=1, n_embd=16, window_pattern="SSL")
+    model = randomized(config, seed=11)
+    total = 24
+    idx = jnp.asarray(np.random.default_rng(2).integers(0, 64, size=(2, total)))
+    full = model(idx)  # (2, total, V): the reference, one forward over the whole sequence
+    cache = model.init_cache(batch_size=2, max_len=32)
+    decode = nnx.jit(lambda m, x, c: m.decode(x, c))
+    logits, cache = decode(model, idx[:, :prompt_len], cache)
+    np.testing.assert_allclose(logits, full[:, :prompt_len], rtol=1e-4, atol=1e-4)
+    for t in range(prompt_len, total):
+        logits, cache = decode(model, idx[:, t : t + 1], cache)
+        np.testing.assert_allclose(logits[:, 0], full[:, t], rtol=1e-4, atol=1e-4)
+    assert int(cache.pos) == total
+
+
+def test_cache_longer_than_rotary_range_is_refused():
+    model = GPT(TINY, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="rotary"):
+        model.init_cache(1, 10 * TINY.sequence_len + 1)
+
+
+# ---- interop --------------------------------------------------------------------------------------
+def test_nanochat_state_dict_round_trip_is_exact():
+    model = randomized(TINY, seed=9)
+    sd = to_nanochat_state_dict(model)
+    expected = {
+        "transformer.wte.weight": (128, 32),
+        "transformer.h.0.attn.c_q.weight": (32, 32),
+        "transformer.h.0.attn.c_k.weight": (16, 32),
+        "transformer.h.0.attn.c_v.weight": (16, 32),
+        "transformer.h.2.attn.c_proj.weight": (32, 32),
+        "transformer.h.1.mlp.c_fc.weight": (128, 32),
+        "transformer.h.1.mlp.c_proj.weight": (32, 128),
+        "lm_head.weight": (128, 32),
+        "resid_lambdas": (3,),
+        "x0_lambdas": (3,),
+    }
+    assert len(sd) == 3 + 6 * TINY.n_layer + 1
+    for name, shape in expected.items():
+        assert sd[name].shape == shape and sd[name].dtype == np.float32
+    back = to_nanochat_state_dict(from_nanochat_state_dict(TINY, sd))
+    assert back.keys() == sd.keys()
+    for name in sd:
+        np.testing.assert_array_equal(back[name], sd[name])
+    with pytest.raises(ValueError, match="missing"):
+        from_nanochat_state_dict(TINY, {k: v for k, v in sd.items() if k != "lm_head.weight"})
+
+
+def test_bad_configs_are_refused():
+    with pytest.raises(ValueError, match="n_head"):
+        GPTConfig(n_embd=100, n_head=3)
+    with pytest.raises(ValueError, match="n_kv_head"):
+        GPTConfig(n_head=6, n_kv_head=4)
+    with pytest.raises(ValueError, match="window_pattern"):
+        GPTConfig(window_pattern="SXL")
