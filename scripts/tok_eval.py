@@ -1,0 +1,96 @@
+"""Compression of the trained tokenizer, in bytes per token (higher is better), on training and validation
+text and on a few fixed kinds of text; next to GPT-2's and GPT-4's tokenizers when tiktoken can load
+them (they are downloaded once, so offline machines skip the comparison).
+
+    python -m scripts.tok_eval
+"""
+
+import tiktoken
+
+from jaxchat.dataset import list_row_groups, read_row_group
+from jaxchat.tokenizer import get_tokenizer
+
+PROSE = """\
+The lighthouse keeper kept a logbook for forty-one years. Most entries were short: the wind's direction,
+the state of the sea, a ship sighted at dawn. But on winter nights, when storms shut the harbour, he wrote
+at length about the birds that sheltered on the gallery rail, how the gulls arrived first and the small
+brown wrens last, and how, by morning, they had all gone as quietly as they came. His granddaughter found
+the books in a trunk after he died and read them aloud, one storm at a time."""
+
+CODE = '''\
+def merge_sorted(left: list[int], right: list[int]) -> list[int]:
+    """Merge two sorted lists into one sorted list in O(len(left) + len(right))."""
+    merged, i, j = [], 0, 0
+    while i < len(left) and j < len(right):
+        if left[i] <= right[j]:
+            merged.append(left[i])
+            i += 1
+        else:
+            merged.append(right[j])
+            j += 1
+    merged.extend(left[i:])
+    merged.extend(right[j:])
+    return merged
+
+if __name__ == "__main__":
+    print(merge_sorted([1, 4, 9], [2, 3, 10, 11]))  # [1, 2, 3, 4, 9, 10, 11]
+'''
+
+NUMBERS = """\
+date,station,temp_c,rain_mm,wind_kmh
+2024-01-03,4021,-3.5,0.0,17
+2024-01-04,4021,-1.25,2.4,22
+2024-01-05,4021,0.75,11.8,41
+2024-01-06,4021,2.0,6.35,38
+Total rainfall: 20.55 mm; mean temperature -0.5 C; 3.14159265358979; 1,234,567,890; 0xDEADBEEF; 1e-9"""
+
+NON_ENGLISH = """\
+Der Leuchtturmwärter führte einundvierzig Jahre lang ein Logbuch über Wind, Wetter und Schiffe.
+Le gardien du phare tenait un journal : la direction du vent, l'état de la mer, un navire aperçu à l'aube.
+灯台守は四十一年間、風向きや海の様子、夜明けに見えた船について日誌をつけていた。
+등대지기는 사십일 년 동안 바람의 방향과 바다의 상태를 일지에 적었다.
+Смотритель маяка сорок один год вёл журнал наблюдений за ветром и морем."""
+
+
+def first_row_group_text(split: str) -> str:
+    path, row_group = list_row_groups(split)[0]
+    return "\n".join(read_row_group(path, row_group))
+
+
+texts = {
+    "train": first_row_group_text("train"),
+    "val": first_row_group_text("val"),
+    "prose": PROSE,
+    "code": CODE,
+    "numbers": NUMBERS,
+    "non-English": NON_ENGLISH,
+}
+
+ours = get_tokenizer()
+encoders = {"ours": ours.encode}
+baselines = {"GPT-2": "gpt2", "GPT-4": "cl100k_base"}
+notes = []
+for label, encoding_name in baselines.items():
+    try:
+        encoders[label] = tiktoken.get_encoding(encoding_name).encode_ordinary
+    except Exception as e:  # no network and no cached copy: tiktoken raises whatever requests raised
+        notes.append(f"{label} comparison skipped: tiktoken could not load '{encoding_name}' "
+                     f"({type(e).__name__}; it is downloaded on first use)")
+
+for name, text in texts.items():
+    if ours.decode(ours.encode(text)) != text:
+        raise RuntimeError(f"round trip failed on the {name} text")
+
+print(f"vocab size: {ours.get_vocab_size():,}")
+header = f"{'text':<12} {'bytes':>10}" + "".join(f" {label + ' tok':>12} {'B/tok':>6}" for label in encoders)
+print(header)
+print("-" * len(header))
+for name, text in texts.items():
+    num_bytes = len(text.encode("utf-8"))
+    row = f"{name:<12} {num_bytes:>10,}"
+    for encode in encoders.values():
+        num_tokens = len(encode(text))
+        row += f" {num_tokens:>12,} {num_bytes / max(num_tokens, 1):>6.2f}"
+    print(row)
+for note in notes:
+    print(note)
