@@ -437,6 +437,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="local corpora: text files are cut at paragraph breaks into documents this long")
     parser.add_argument("--overwrite", action="store_true", help="local corpora: replace shards already there")
     args = parser.parse_args(argv)
+    if args.num_files is not None and not (args.num_files == -1 or args.num_files >= 1):
+        parser.error("-n must be -1 (all shards) or at least 1")
+    if args.num_workers < 1:
+        parser.error("-w must be at least 1")
 
     try:
         if args.num_files is not None:

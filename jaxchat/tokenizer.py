@@ -68,7 +68,7 @@ class Tokenizer:
             raise ValueError(f"vocab_size must be at least {256 + len(SPECIAL_TOKENS)} "
                              f"(256 bytes + {len(SPECIAL_TOKENS)} special tokens), got {vocab_size}")
         trainer = rustbpe.Tokenizer()
-        trainer.train_from_iterator(text_iterator, num_ranks, pattern=SPLIT_PATTERN)
+        trainer.train_from_iterator(iter(text_iterator), num_ranks, pattern=SPLIT_PATTERN)
         ranks = {bytes(token): rank for token, rank in trainer.get_mergeable_ranks()}
         return cls(ranks, trainer.get_pattern())
 
@@ -103,7 +103,7 @@ class Tokenizer:
     # --- encoding ---------------------------------------------------------------------------------
 
     def _special_id(self, token: str | int) -> int:
-        return token if isinstance(token, int) else self.encode_special(token)
+        return int(token) if isinstance(token, (int, np.integer)) else self.encode_special(token)
 
     def encode(self, text: str | list[str], prepend: str | int | None = None, append: str | int | None = None,
                num_threads: int = 8) -> list[int] | list[list[int]]:
@@ -124,8 +124,8 @@ class Tokenizer:
     __call__ = encode
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
-        if isinstance(ids, np.ndarray):
-            ids = ids.tolist()
+        if not isinstance(ids, list):  # numpy / jax arrays, tuples
+            ids = np.asarray(ids).tolist()
         return self.enc.decode(ids)
 
     # --- save / load --------------------------------------------------------------------------------

@@ -146,7 +146,7 @@ def test_batch_encoding_and_special_tokens_by_name_or_id(tokenizer):
     bos = tokenizer.get_bos_token_id()
     end = tokenizer.encode_special("<|assistant_end|>")
     assert tokenizer.encode(texts, prepend="<|bos|>", append=end) == [[bos] + s + [end] for s in singles]
-    assert tokenizer.encode(texts[0], prepend=bos, append="<|assistant_end|>") == [bos] + singles[0] + [end]
+    assert tokenizer.encode(texts[0], prepend=np.int32(bos), append="<|assistant_end|>") == [bos] + singles[0] + [end]
     assert tokenizer.encode([]) == []
     assert "<|bos|>" in tokenizer.decode([bos]) and tokenizer.id_to_token(end) == "<|assistant_end|>"
     with pytest.raises(ValueError, match="unknown special token"):
