@@ -1,0 +1,209 @@
+"""Muon for the matrices of the transformer blocks, as one optax GradientTransformation.
+
+nanochat's Muon (SPEC §5), for every matrix of a pytree:
+1. Nesterov momentum: m = β·m + (1−β)·g; u = (1−β)·g + β·m
+2. Polar Express: u is replaced by (roughly) its orthogonal polar factor U·Vᵀ, in bfloat16
+3. NorMuon variance reduction: a factored second moment of the orthogonalised update rescales
+   each output neuron (or each input, for matrices with more inputs than outputs)
+4. cautious weight decay: p −= lr_eff·X + lr_eff·wd·p·[X·p ≥ 0], lr_eff = lr·max(1, out/in)^0.5
+
+Layout. SPEC states the rules on PyTorch weights, (rows, cols) = (out, in). Flax kernels are the
+transpose, (in, out): here axis −2 is the input (PyTorch's cols) and axis −1 the output (PyTorch's
+rows). Every rule below is written for kernels; the comments give the PyTorch rule it translates.
+Any leading axes (a stacked layer axis) are batch axes: each slice is its own matrix.
+
+Same-shape matrices are stacked and orthogonalised by one batched matmul chain per shape. With
+`shard=(mesh, axis_name)` each stacked group is padded to a multiple of that mesh axis and split
+over it, so each device orthogonalises only its share (nanochat's DistMuon); the results are the
+same as unsharded.
+"""
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+# Polar Express (Amsel et al. 2025, arXiv 2505.16932) for 5 iterations, safety factor 2e-2, cushion 2:
+# (a, b, c) of the odd polynomial a·x + b·x³ + c·x⁵ applied to the singular values at each step.
+POLAR_EXPRESS_COEFFS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+# Normalising by 1.02·‖X‖_F keeps the largest singular value safely below 1 despite bf16 rounding.
+NORM_SAFETY = 1.02
+SECOND_MOMENT_FLOOR = 1e-10
+
+Hyperparameter = float | Callable[[jax.Array], jax.Array]
+
+
+def polar_express(x: jax.Array, ns_steps: int = 5, dtype=jnp.bfloat16) -> jax.Array:
+    """Approximate orthogonal polar factor of each matrix of x (..., r, c), computed and returned in
+    dtype (bfloat16 as nanochat; float32 gives the exact polynomial, e.g. to test against).
+
+    The iteration X <- a·X + (b·A + c·A²)·X with A = X·Xᵀ is an odd polynomial in X, so it commutes
+    with transposition: for tall matrices we form the small Gram Xᵀ·X and multiply from the right,
+    which is nanochat's "work on the transpose" without materialising one.
+    """
+    if not 1 <= ns_steps <= len(POLAR_EXPRESS_COEFFS):
+        raise ValueError(f"ns_steps must be in 1..{len(POLAR_EXPRESS_COEFFS)}, got {ns_steps}")
+    x32 = x.astype(dtype).astype(jnp.float32)
+    norm = jnp.sqrt(jnp.sum(jnp.square(x32), axis=(-2, -1), keepdims=True))
+    x = (x32 / (norm * NORM_SAFETY + 1e-6)).astype(dtype)
+    tall = x.shape[-2] > x.shape[-1]
+    for a, b, c in POLAR_EXPRESS_COEFFS[:ns_steps]:
+        if tall:
+            gram = jnp.einsum("...ki,...kj->...ij", x, x)  # (c, c)
+            x = a * x + x @ (b * gram + c * (gram @ gram))
+        else:
+            gram = jnp.einsum("...ik,...jk->...ij", x, x)  # (r, r)
+            x = a * x + (b * gram + c * (gram @ gram)) @ x
+    return x
+
+
+def reduce_axis(shape: tuple[int, ...]) -> int:
+    """Axis of a kernel (..., in, out) that the factored second moment averages over.
+
+    PyTorch: over the last axis (in) when rows >= cols (out >= in), else over the rows (out).
+    Kernels: over axis -2 (in) when out >= in, keeping one statistic per output; else over -1.
+    """
+    return -2 if shape[-1] >= shape[-2] else -1
+
+
+def second_moment_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """(..., 1, out) or (..., in, 1): PyTorch's (rows, 1) or (1, cols), transposed."""
+    factored = list(shape)
+    factored[reduce_axis(shape)] = 1
+    return tuple(factored)
+
+
+def lr_aspect_factor(shape: tuple[int, ...]) -> float:
+    """max(1, rows/cols)^0.5 in PyTorch terms = max(1, out/in)^0.5: larger steps for expanding matrices."""
+    return max(1.0, shape[-1] / shape[-2]) ** 0.5
+
+
+class MuonState(NamedTuple):
+    count: jax.Array  # int32: updates done so far; the schedules are evaluated at it
+    momentum: optax.Updates  # like the params: same shapes and dtypes
+    second_moment: optax.Updates  # float32, factored: second_moment_shape(param.shape)
+
+
+def variance_reduction(x: jax.Array, second_moment: jax.Array, beta2: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """NorMuon step (SPEC §5.3), float32, on kernels x (..., in, out): rescale the slices along
+    reduce_axis by rsqrt of their running mean square, then restore x's total norm."""
+    axis = reduce_axis(x.shape)
+    n = x.shape[axis]
+    v = jnp.mean(jnp.square(x), axis=axis, keepdims=True)
+    norm = jnp.sqrt(jnp.sum(v, axis=(-2, -1), keepdims=True) * n)
+    second_moment = beta2 * second_moment + (1 - beta2) * v
+    step = jax.lax.rsqrt(jnp.maximum(second_moment, SECOND_MOMENT_FLOOR))
+    norm_new = jnp.sqrt(jnp.sum(v * n * jnp.square(step), axis=(-2, -1), keepdims=True))
+    return x * step * (norm / jnp.maximum(norm_new, SECOND_MOMENT_FLOOR)), second_moment
+
+
+def _value_at(hyperparameter: Hyperparameter, count: jax.Array) -> jax.Array:
+    value = hyperparameter(count) if callable(hyperparameter) else hyperparameter
+    return jnp.asarray(value, jnp.float32)
+
+
+def _split_over_mesh(x: jax.Array, shard: tuple[Mesh, str] | None) -> jax.Array:
+    """Pad the stacked-matrix axis to a multiple of the mesh axis and shard it there (zero matrices
+    stay zero through every step, and are dropped afterwards)."""
+    if shard is None:
+        return x
+    mesh, axis_name = shard
+    pad = -x.shape[0] % mesh.shape[axis_name]
+    x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(axis_name)))
+
+
+def _orthogonalise_groups(
+    directions: list[jax.Array], second_moments: list[jax.Array], beta2: jax.Array, ns_steps: int, polar_dtype, shard
+) -> tuple[list[jax.Array], list[jax.Array]]:
+    """Steps 2-3 for every matrix, one stacked computation per (in, out) shape."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, u in enumerate(directions):
+        groups.setdefault(u.shape[-2:], []).append(i)
+    out_x, out_s = [None] * len(directions), [None] * len(directions)
+    for shape, members in groups.items():
+        sizes = [directions[i].size // (shape[0] * shape[1]) for i in members]
+        stacked = jnp.concatenate([directions[i].reshape(-1, *shape) for i in members])
+        moments = jnp.concatenate([second_moments[i].reshape(-1, *second_moments[i].shape[-2:]) for i in members])
+        total = stacked.shape[0]
+        x = polar_express(_split_over_mesh(stacked, shard), ns_steps, polar_dtype).astype(jnp.float32)
+        x, moments = variance_reduction(x, _split_over_mesh(moments, shard), beta2)
+        offsets = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+        x, moments = x[:total], moments[:total]
+        for k, i in enumerate(members):
+            out_x[i] = x[offsets[k] : offsets[k + 1]].reshape(directions[i].shape)
+            out_s[i] = moments[offsets[k] : offsets[k + 1]].reshape(second_moments[i].shape)
+    return out_x, out_s
+
+
+def muon(
+    learning_rate: Hyperparameter,
+    momentum: Hyperparameter = 0.95,
+    ns_steps: int = 5,
+    beta2: float = 0.95,
+    weight_decay: Hyperparameter = 0.0,
+    shard: tuple[Mesh, str] | None = None,
+    polar_dtype=jnp.bfloat16,
+) -> optax.GradientTransformation:
+    """nanochat's Muon for a pytree of kernels (..., in, out), each with ndim >= 2.
+
+    learning_rate, momentum and weight_decay are floats or schedules (functions of the update count,
+    held in the state), so they change per step inside one compiled update. update() needs params
+    (cautious weight decay); optax.apply_updates then gives p - lr_eff·X - lr_eff·wd·p·mask.
+    shard: (mesh, axis_name) to split the orthogonalisation of each stacked group over that axis.
+    polar_dtype: dtype of the Polar Express matmuls (bfloat16 as nanochat).
+    """
+
+    def init_fn(params):
+        def check(path, p):
+            if p.ndim < 2:
+                raise ValueError(
+                    f"muon handles matrices only: {jax.tree_util.keystr(path)} has shape {p.shape}; give it to AdamW"
+                )
+
+        jax.tree_util.tree_map_with_path(check, params)
+        return MuonState(
+            count=jnp.zeros((), jnp.int32),
+            momentum=jax.tree.map(jnp.zeros_like, params),
+            second_moment=jax.tree.map(lambda p: jnp.zeros(second_moment_shape(p.shape), jnp.float32), params),
+        )
+
+    def update_fn(grads, state, params=None):
+        if params is None:
+            raise ValueError("muon needs the params for its cautious weight decay: call update(grads, state, params)")
+        lr = _value_at(learning_rate, state.count)
+        beta = _value_at(momentum, state.count)
+        wd = _value_at(weight_decay, state.count)
+        g_leaves, treedef = jax.tree.flatten(grads)
+        p_leaves = treedef.flatten_up_to(params)
+        m_leaves = treedef.flatten_up_to(state.momentum)
+        s_leaves = treedef.flatten_up_to(state.second_moment)
+
+        # 1. Nesterov momentum, elementwise per matrix
+        new_m = [(beta * m + (1 - beta) * g).astype(m.dtype) for g, m in zip(g_leaves, m_leaves)]
+        directions = [(1 - beta) * g + beta * m for g, m in zip(g_leaves, new_m)]
+        # 2-3. orthogonalise and variance-reduce, stacked by shape
+        xs, new_s = _orthogonalise_groups(directions, s_leaves, jnp.float32(beta2), ns_steps, polar_dtype, shard)
+        # 4. cautious weight decay: decay only where the update and the weight agree in sign
+        updates = []
+        for x, p in zip(xs, p_leaves):
+            lr_eff = lr * lr_aspect_factor(p.shape)
+            decay = jnp.where(x * p >= 0, p, 0).astype(jnp.float32)
+            updates.append((-(lr_eff * x + lr_eff * wd * decay)).astype(p.dtype))
+        new_state = MuonState(
+            count=optax.safe_int32_increment(state.count),
+            momentum=treedef.unflatten(new_m),
+            second_moment=treedef.unflatten(new_s),
+        )
+        return treedef.unflatten(updates), new_state
+
+    return optax.GradientTransformation(init_fn, update_fn)
