@@ -1,0 +1,253 @@
+"""setup_optimizer: groups, scaling rules and schedules against hand-computed values and float64
+references written here from SPEC §5-6 and base_train.py."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxchat.gpt import GPT, GPTConfig
+from jaxchat.optim import (
+    describe_param_groups,
+    group_learning_rates,
+    label_params,
+    lr_multiplier,
+    muon_momentum,
+    scaled_weight_decay,
+    setup_optimizer,
+    weight_decay_at,
+)
+from test_muon import BF16_MIN_COSINE, BF16_REL_TOL, cosine, ref_muon_step, ref_second_moment, rel_err, torch_matrices
+
+TINY = GPTConfig(sequence_len=32, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
+
+
+def tiny_params(seed=0):
+    return nnx.state(GPT(TINY, rngs=nnx.Rngs(seed)), nnx.Param)
+
+
+def names(params):
+    """'blocks/0/attn/c_q/kernel' per leaf, in leaf order (independent of jaxchat.optim's path helper)."""
+    out = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+        keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+        out.append("/".join(k for k in keys if k != "value"))
+    return out
+
+
+# ---- schedules at their boundaries -----------------------------------------------------------------
+def test_lr_multiplier_boundaries():
+    # N = 1000, warmup round(0.05 N) = 50, warmdown round(0.4 N) = 400, final 0.1
+    lrm = lambda step: float(lr_multiplier(step, 1000, 0.05, 0.4, 0.1))
+    assert lrm(0) == pytest.approx(1 / 50)
+    assert lrm(49) == pytest.approx(1.0)  # last warmup step: (49+1)/50
+    assert lrm(50) == pytest.approx(1.0)
+    assert lrm(600) == pytest.approx(1.0)  # warmdown starts after N - 400
+    assert lrm(601) == pytest.approx(399 / 400 + (1 / 400) * 0.1)
+    assert lrm(999) == pytest.approx(1 / 400 + (399 / 400) * 0.1)  # last step
+    assert lrm(1000) == pytest.approx(0.1)
+    # no warmup: 1.0 from step 0; round() is Python's (half to even): round(0.025 * 100) = 2
+    assert float(lr_multiplier(0, 100, 0.0, 0.025, 0.0)) == 1.0
+    assert float(lr_multiplier(98, 100, 0.0, 0.025, 0.0)) == 1.0
+    assert float(lr_multiplier(99, 100, 0.0, 0.025, 0.0)) == pytest.approx(0.5)
+    # no warmdown: 1.0 to the end
+    assert float(lr_multiplier(100, 100, 0.0, 0.0, 0.0)) == 1.0
+
+
+def test_muon_momentum_and_weight_decay_boundaries():
+    assert float(muon_momentum(0)) == pytest.approx(0.85)
+    assert float(muon_momentum(150)) == pytest.approx(0.90)
+    assert float(muon_momentum(300)) == pytest.approx(0.95)
+    assert float(muon_momentum(5000)) == pytest.approx(0.95)
+    assert float(weight_decay_at(0, 0.072, 1000)) == pytest.approx(0.072)
+    assert float(weight_decay_at(500, 0.072, 1000)) == pytest.approx(0.036)
+    assert float(weight_decay_at(999, 0.072, 1000)) == pytest.approx(0.072 / 1000)
+    assert float(weight_decay_at(1000, 0.072, 1000)) == 0.0
+
+
+def test_schedules_trace():
+    steps = jnp.arange(0, 1001, 37)
+    traced = jax.jit(jax.vmap(lambda s: lr_multiplier(s, 1000, 0.05, 0.4, 0.1)))(steps)
+    eager = [float(lr_multiplier(int(s), 1000, 0.05, 0.4, 0.1)) for s in steps]
+    np.testing.assert_allclose(np.asarray(traced), eager, rtol=1e-6)
+
+
+def test_scaling_rules():
+    # d20: model_dim 1280 at the reference batch of 2^19 tokens
+    lrs = group_learning_rates(model_dim=1280, total_batch_size=2**19, unembedding_lr=0.004,
+                               embedding_lr=0.3, matrix_lr=0.02, scalar_lr=0.5)
+    assert lrs["muon"] == pytest.approx(0.02)
+    assert lrs["wte"] == pytest.approx(0.3 * math.sqrt(768 / 1280))
+    assert lrs["lm_head"] == pytest.approx(0.004 * math.sqrt(768 / 1280))
+    assert lrs["resid_lambdas"] == pytest.approx(0.005)
+    assert lrs["x0_lambdas"] == pytest.approx(0.5)
+    # a quarter of the batch halves every learning rate
+    quarter = group_learning_rates(model_dim=1280, total_batch_size=2**17, unembedding_lr=0.004,
+                                   embedding_lr=0.3, matrix_lr=0.02, scalar_lr=0.5)
+    for name in lrs:
+        assert quarter[name] == pytest.approx(lrs[name] / 2)
+    assert scaled_weight_decay(0.2, 12) == pytest.approx(0.2)
+    assert scaled_weight_decay(0.2, 20) == pytest.approx(0.072)
+
+
+# ---- parameter groups ----------------------------------------------------------------------------
+def test_every_parameter_of_the_gpt_gets_its_group():
+    params = tiny_params()
+    labels = dict(zip(names(params), jax.tree.leaves(label_params(params))))
+    assert labels.pop("wte/embedding") == "wte"
+    assert labels.pop("lm_head/kernel") == "lm_head"
+    assert labels.pop("resid_lambdas") == "resid_lambdas"
+    assert labels.pop("x0_lambdas") == "x0_lambdas"
+    assert len(labels) == 6 * TINY.n_layer and set(labels.values()) == {"muon"}
+    lines = describe_param_groups(group_learning_rates(model_dim=64, total_batch_size=2**19, unembedding_lr=0.004,
+                                                       embedding_lr=0.3, matrix_lr=0.02, scalar_lr=0.5), params)
+    assert "12 tensors" in lines[0] and "8x64x64, 2x64x256, 2x256x64" in lines[0]
+
+
+def test_unlabelled_parameter_is_an_error_that_names_it():
+    params = {"wte": {"embedding": jnp.zeros((8, 4))}, "value_embeds": {"0": jnp.zeros((8, 4))}}
+    with pytest.raises(ValueError, match="value_embeds/0"):
+        setup_optimizer(params, model_dim=4, depth=1, num_iterations=10, total_batch_size=2**19)
+    # a vector inside the blocks is not a matrix for Muon either; caught at init without params
+    tx = setup_optimizer(model_dim=4, depth=1, num_iterations=10, total_batch_size=2**19)
+    with pytest.raises(ValueError, match="blocks/0/norm/scale"):
+        tx.init({"blocks": [{"norm": {"scale": jnp.zeros((4,))}}]})
+
+
+# ---- AdamW and Muon groups against float64 references ----------------------------------------------
+def ref_lr_multiplier(it, num_iterations, warmup_ratio, warmdown_ratio, final_lr_frac):
+    """base_train.py's get_lr_multiplier."""
+    warmup_iters = round(warmup_ratio * num_iterations)
+    warmdown_iters = round(warmdown_ratio * num_iterations)
+    if it < warmup_iters:
+        return (it + 1) / warmup_iters
+    if it <= num_iterations - warmdown_iters:
+        return 1.0
+    progress = (num_iterations - it) / warmdown_iters
+    return progress * 1.0 + (1 - progress) * final_lr_frac
+
+
+def ref_adamw_step(p, g, m, v, t, lr, b1, b2, eps=1e-10):
+    """torch.optim.AdamW with weight_decay 0; t counts from 1."""
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    denom = np.sqrt(v) / np.sqrt(1 - b2**t) + eps
+    return p - lr / (1 - b1**t) * m / denom, m, v
+
+
+def test_groups_match_references_with_their_own_learning_rates():
+    N, warmup, warmdown, final = 10, 0.2, 0.4, 0.1
+    hyper = dict(model_dim=64, depth=2, num_iterations=N, total_batch_size=2**17, unembedding_lr=0.004,
+                 embedding_lr=0.3, matrix_lr=0.02, scalar_lr=0.5, weight_decay=0.2, adam_betas=(0.8, 0.95),
+                 warmup_ratio=warmup, warmdown_ratio=warmdown, final_lr_frac=final)
+    params = tiny_params()
+    tx = setup_optimizer(params, **hyper)
+    # hand-computed peak rates: batch scale sqrt(2^17 / 2^19) = 0.5, width scale (64/768)^-0.5 = sqrt(12)
+    peak = {"wte/embedding": 0.3 * 0.5 * math.sqrt(12), "lm_head/kernel": 0.004 * 0.5 * math.sqrt(12),
+            "resid_lambdas": 0.5 * 0.5 * 0.01, "x0_lambdas": 0.5 * 0.5}
+    muon_peak, muon_wd = 0.02 * 0.5, 0.2 * (12 / 2) ** 2
+
+    leaf_names = names(params)
+    ref = {}
+    for name, p in zip(leaf_names, jax.tree.leaves(params)):
+        if name in peak:
+            ref[name] = (np.asarray(p, np.float64), np.zeros(p.shape), np.zeros(p.shape))
+        else:
+            ref[name] = [(w, np.zeros_like(w), ref_second_moment(*w.shape)) for w in torch_matrices(p)]
+    params0 = params
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    rng = np.random.default_rng(0)
+    for t in range(N):
+        grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32), params)
+        updates, state = update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        lrm = ref_lr_multiplier(t, N, warmup, warmdown, final)
+        beta = (1 - min(t / 300, 1)) * 0.85 + min(t / 300, 1) * 0.95
+        for name, g in zip(leaf_names, jax.tree.leaves(grads)):
+            g = np.asarray(g, np.float64)
+            if name in peak:
+                p, m, v = ref[name]
+                ref[name] = ref_adamw_step(p, g, m, v, t + 1, peak[name] * lrm, 0.8, 0.95)
+            else:
+                ref[name] = [ref_muon_step(w, gm, m, s2, muon_peak * lrm, beta, 0.95, muon_wd * (1 - t / N))
+                             for (w, m, s2), gm in zip(ref[name], torch_matrices(g))]
+
+    muon_state = state.inner_states["muon"].inner_state
+    momenta = dict(zip(leaf_names, jax.tree.leaves(muon_state.momentum, is_leaf=lambda x: isinstance(x, optax.MaskedNode))))
+    for name, p0, p in zip(leaf_names, jax.tree.leaves(params0), jax.tree.leaves(params)):
+        if name in peak:
+            np.testing.assert_allclose(np.asarray(p, np.float64), ref[name][0], rtol=2e-5, atol=1e-6, err_msg=name)
+        else:
+            (w0,), (w,) = torch_matrices(p0), torch_matrices(p)
+            w_ref, m_ref, _ = ref[name][0]
+            # momentum (schedule 0.85 -> 0.95) is exact; the update carries bf16 orthogonalisation noise
+            np.testing.assert_allclose(torch_matrices(momenta[name])[0], m_ref, rtol=1e-5, atol=1e-6, err_msg=name)
+            assert rel_err(w - w0, w_ref - w0) < BF16_REL_TOL, name
+            assert cosine(w - w0, w_ref - w0) > BF16_MIN_COSINE, name
+
+
+def test_hyperparameters_change_per_step_without_recompiling():
+    """A constant gradient makes each Adam step lr_t · sign(g): the scalar groups show the LR schedule."""
+    N = 6  # warmup round(0.34 * 6) = 2 steps, warmdown round(0.5 * 6) = 3 steps
+    tx = setup_optimizer(model_dim=64, depth=2, num_iterations=N, total_batch_size=2**19,
+                         warmup_ratio=0.34, warmdown_ratio=0.5, final_lr_frac=0.0)
+    params = tiny_params()
+    traces = 0
+
+    def counted_update(grads, state, params):
+        nonlocal traces
+        traces += 1
+        return tx.update(grads, state, params)
+
+    update = jax.jit(counted_update)
+    grads = jax.tree.map(jnp.ones_like, params)
+    state = tx.init(params)
+    steps = []
+    for _ in range(N):
+        updates, state = update(grads, state, params)
+        steps.append(-float(updates["x0_lambdas"][0]))
+    assert traces == 1
+    np.testing.assert_allclose(steps, 0.5 * np.array([1 / 2, 1, 1, 1, 2 / 3, 1 / 3]), rtol=1e-5)
+
+
+def test_mesh_splits_muon_with_the_same_result():
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    hyper = dict(model_dim=64, depth=2, num_iterations=10, total_batch_size=2**19)
+    params = tiny_params()
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.01) + p, params)
+    results = []
+    for tx in (setup_optimizer(params, **hyper), setup_optimizer(params, **hyper, mesh=mesh)):
+        results.append(jax.jit(tx.update)(grads, tx.init(params), params))
+    for a, b in zip(*(jax.tree.leaves(r) for r in results)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-9)
+
+
+# ---- end to end: a tiny GPT memorises a batch ------------------------------------------------------
+def test_tiny_model_memorises_a_fixed_batch():
+    graphdef, params = nnx.split(GPT(TINY, rngs=nnx.Rngs(0)))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, TINY.vocab_size, (4, 33)), jnp.int32)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    # the flags' defaults at the reference batch size (LR scale 1), as for a real run of 100 steps
+    tx = setup_optimizer(params, model_dim=TINY.n_embd, depth=TINY.n_layer, num_iterations=100,
+                         total_batch_size=2**19)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def train_step(params, opt_state):
+        loss, grads = jax.value_and_grad(lambda p: nnx.merge(graphdef, p)(inputs, targets))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    losses = []
+    for _ in range(100):
+        params, opt_state, loss = train_step(params, opt_state)
+        losses.append(loss)
+    first, last = float(losses[0]), float(losses[-1])
+    assert first == pytest.approx(math.log(TINY.vocab_size), rel=0.1)
+    assert last < first / 50, (first, last)
