@@ -41,6 +41,10 @@ class BestFitPacker:
     Ties go to the oldest document (nanochat scans its buffer in insertion order and keeps the
     first best). Documents are kept sorted by (length, arrival) so that each pick is a bisection,
     not a Python scan over the whole buffer.
+
+    A document longer than a row never fits and is cropped only once it is the shortest buffered,
+    so over a long run the buffer fills up with the longest documents seen so far (nanochat's too),
+    and its references span up to buffer_docs row groups, all re-read on restore.
     """
 
     def __init__(self, buffer_docs: int):
@@ -120,7 +124,6 @@ class _BosBestFitIterator(grain.DatasetIterator):
         self._data_fingerprint = data_fingerprint
         self._tokenize = tokenize
         self._rows, self._row_len = rows, seq_len + 1
-        self._workers = workers
         self._read_options = grain.ReadOptions(num_threads=workers, prefetch_buffer_size=2 * workers)
         # Row group k of the endless stream is texts[k % len(texts)]: its position k says the epoch.
         stream = texts.repeat().map_with_index(lambda position, docs: (position, tokenize(docs)))
@@ -131,8 +134,8 @@ class _BosBestFitIterator(grain.DatasetIterator):
         self._docs: list[np.ndarray] = []  # its tokenised documents, from index _docs_offset on
         self._docs_offset = 0
         self._next_doc = 0  # index in the row group of the next document to buffer
-        self._tokens_packed = 0
-        self._tokens_cropped = 0
+        # Tokens read = packed + cropped + still buffered.
+        self._tokens_read = self._tokens_packed = self._tokens_cropped = 0
 
     def _refill(self) -> None:
         """Buffers the next batch of up to 128 documents of the row group being read (nanochat's
@@ -142,7 +145,9 @@ class _BosBestFitIterator(grain.DatasetIterator):
             self._docs_offset = self._next_doc = 0
         end = min(self._next_doc + TOKENIZER_BATCH_DOCS, self._docs_offset + len(self._docs))
         for doc in range(self._next_doc, end):
-            self._packer.add(self._docs[doc - self._docs_offset], (self._position, doc))
+            tokens = self._docs[doc - self._docs_offset]
+            self._packer.add(tokens, (self._position, doc))
+            self._tokens_read += len(tokens)
         self._next_doc = end
 
     def __next__(self) -> np.ndarray:
@@ -160,6 +165,7 @@ class _BosBestFitIterator(grain.DatasetIterator):
             "buffer": _encode_refs(self._packer.refs()),
             "source": self._source.get_state(),
             "data": self._data_fingerprint,
+            "tokens_read": self._tokens_read,
             "tokens_packed": self._tokens_packed,
             "tokens_cropped": self._tokens_cropped,
         }
@@ -199,7 +205,8 @@ class _BosBestFitIterator(grain.DatasetIterator):
             self._packer.add(buffered[ref[0]][ref[1]], ref)
         self._position, self._next_doc = position, next_doc
         self._source.set_state(state["source"])
-        self._tokens_packed, self._tokens_cropped = state["tokens_packed"], state["tokens_cropped"]
+        self._tokens_read, self._tokens_packed = state["tokens_read"], state["tokens_packed"]
+        self._tokens_cropped = state["tokens_cropped"]
 
 
 class BosBestFitIterDataset(grain.IterDataset):
@@ -227,7 +234,8 @@ class BosBestFitIterDataset(grain.IterDataset):
                                    self._workers, self._data_fingerprint)
 
     def __str__(self) -> str:
-        return f"BosBestFitIterDataset(rows={self._rows}, seq_len={self._seq_len}, buffer_docs={self._buffer_docs})"
+        return (f"BosBestFitIterDataset(rows={self._rows}, seq_len={self._seq_len}, "
+                f"buffer_docs={self._buffer_docs})")
 
 
 def tokenize_documents(tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
@@ -240,7 +248,8 @@ def tokenize_documents(tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
     return docs
 
 
-def process_row_groups(split: str, process_index: int, process_count: int, data_dir: str | None = None) -> list[tuple[str, int]]:
+def process_row_groups(split: str, process_index: int, process_count: int,
+                       data_dir: str | None = None) -> list[tuple[str, int]]:
     """This process's share of the split's row groups: p, p+P, p+2P, ... of the whole list, so the
     shares of all processes are disjoint and cover every row group."""
     if not 0 <= process_index < process_count:
@@ -262,20 +271,22 @@ def _to_inputs_targets(rows: np.ndarray, batch_shape: tuple[int, ...]) -> tuple[
 
 
 def _make_loader(tokenizer, split: str, batch_shape: tuple[int, ...], seq_len: int, process_index: int,
-                 process_count: int, data_dir: str | None, buffer_docs: int, workers: int, prefetch: int) -> grain.DatasetIterator:
+                 process_count: int, data_dir: str | None, buffer_docs: int, workers: int,
+                 prefetch: int) -> grain.DatasetIterator:
     row_groups = process_row_groups(split, process_index, process_count, data_dir)
     texts = grain.MapDataset.source(row_groups).map(lambda row_group: dataset.read_row_group(*row_group))
     # File names and sizes, not paths: the data may move between runs.
-    names = json.dumps([(os.path.basename(path), os.path.getsize(path), row_group) for path, row_group in row_groups])
-    fingerprint = f"{len(row_groups)} row groups, sha1 {hashlib.sha1(names.encode()).hexdigest()[:12]}"
-    rows = BosBestFitIterDataset(texts, functools.partial(tokenize_documents, tokenizer), rows=int(np.prod(batch_shape)),
-                                 seq_len=seq_len, buffer_docs=buffer_docs, workers=workers, data_fingerprint=fingerprint)
+    names = [(os.path.basename(path), os.path.getsize(path), row_group) for path, row_group in row_groups]
+    fingerprint = f"{len(row_groups)} row groups, sha1 {hashlib.sha1(json.dumps(names).encode()).hexdigest()[:12]}"
+    rows = BosBestFitIterDataset(texts, functools.partial(tokenize_documents, tokenizer),
+                                 rows=int(np.prod(batch_shape)), seq_len=seq_len, buffer_docs=buffer_docs,
+                                 workers=workers, data_fingerprint=fingerprint)
     batches = rows.map(functools.partial(_to_inputs_targets, batch_shape=batch_shape))
     return grain.experimental.ThreadPrefetchIterDataset(batches, prefetch_buffer_size=prefetch).__iter__()
 
 
-def make_train_loader(tokenizer, batch_size: int, seq_len: int, grad_accum: int, process_index: int, process_count: int,
-                      *, data_dir: str | None = None, buffer_docs: int = 1000, workers: int = 4,
+def make_train_loader(tokenizer, batch_size: int, seq_len: int, grad_accum: int, process_index: int,
+                      process_count: int, *, data_dir: str | None = None, buffer_docs: int = 1000, workers: int = 4,
                       prefetch: int = 2) -> grain.DatasetIterator:
     """The endless training stream of this process: (inputs, targets) int32 arrays of shape
     (grad_accum, batch_size, seq_len), batch_size being this process's rows per micro-step.
@@ -288,13 +299,17 @@ def make_train_loader(tokenizer, batch_size: int, seq_len: int, grad_accum: int,
                         data_dir, buffer_docs, workers, prefetch)
 
 
-def make_val_loader(tokenizer, batch_size: int, seq_len: int, process_index: int, process_count: int, *, steps: int,
-                    data_dir: str | None = None, buffer_docs: int = 1000, workers: int = 4,
+def make_val_loader(tokenizer, batch_size: int, seq_len: int, process_index: int, process_count: int, *,
+                    steps: int, data_dir: str | None = None, buffer_docs: int = 1000, workers: int = 4,
                     prefetch: int = 2) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """`steps` validation batches, (inputs, targets) of shape (batch_size, seq_len), packed the same
     way from the start of this process's share of the validation split: the same batches every call."""
     loader = _make_loader(tokenizer, "val", (batch_size,), seq_len, process_index, process_count,
                           data_dir, buffer_docs, workers, prefetch)
+    return _take_then_close(loader, steps)
+
+
+def _take_then_close(loader: grain.DatasetIterator, steps: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     try:
         for _ in range(steps):
             yield next(loader)

@@ -131,6 +131,9 @@ def test_packing_invariants_and_reference(seq_len, buffer_docs, length_choices, 
     np.testing.assert_array_equal(rows, np.array([row for row, _ in expected], dtype=np.int32))
     assert state["tokens_cropped"] == sum(cropped for _, cropped in expected)
     assert state["tokens_packed"] == rows.size
+    buffered = [row_groups[int(position)][int(doc)] for group in state["buffer"].split()
+                for position, docs in [group.split(":")] for doc in docs.split(",")]
+    assert state["tokens_read"] == rows.size + state["tokens_cropped"] + sum(int(t.split()[1]) for t in buffered)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -141,7 +144,7 @@ def test_packing_invariants_and_reference(seq_len, buffer_docs, length_choices, 
 def corpus_documents():
     """Real prose cut to random lengths (some empty, some far longer than a row)."""
     rng = np.random.default_rng(0)
-    docs = [doc for doc in dataset.builtin_documents()[:200]]
+    docs = dataset.builtin_documents()[:200]
     return [doc[: int(n)] for doc, n in zip(docs, rng.choice([0, 40, 200, 700, 3000], size=len(docs)))]
 
 
