@@ -1,0 +1,451 @@
+"""Checkpoints of a training run with Orbax: exact resume, on any mesh, safe against interruption.
+
+One directory per run, `<base_dir>/base_checkpoints/<model_tag or d{depth}>/`, one Orbax step
+directory per saved step holding
+  params     the model parameters (an nnx.State of arrays)
+  opt_state  the optimizer state (an optax pytree; it holds the step counts, so schedules resume)
+  data       the train data iterator's state, one JSON file per process (grain's Orbax handler)
+  meta       JSON: step, val_bpb, model_config, user_config, device_batch_size, max_seq_len,
+             loop_state {min_val_bpb, smooth_train_loss, total_training_time}, tokenizer
+             {vocab_size, sha256}, and the list of items saved
+
+Saving is asynchronous: `save` returns once the arrays are copied off the devices (so the train
+step may donate them) and the data iterator's state is written; Orbax writes the rest from a
+background thread while training goes on. `wait` blocks until it is on disk; `close` waits too.
+
+Orbax writes a step into `<step>.orbax-checkpoint-tmp-<time>` and renames it when complete, so an
+interrupted save never looks like a step. A step damaged afterwards (files deleted or truncated)
+is caught when its items, metadata or arrays cannot be read: resuming from "latest" then takes
+the newest step that restores completely and says which it skipped.
+
+Restoring takes target shardings: a run saved on 8 devices resumes on 1, 2 or 4, replicated or
+FSDP, with the same values (Orbax reads each target shard from the saved chunks).
+"""
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+
+import grain.checkpoint
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxchat.common import get_base_dir, print0
+from jaxchat.gpt import GPT, GPTConfig
+
+LATEST = "latest"  # restore(step=LATEST): the newest complete checkpoint
+CHECKPOINTS_SUBDIR = "base_checkpoints"
+# What a training checkpoint's metadata must hold for an exact resume (checked when saving, so a
+# wiring mistake shows at the first save rather than at the resume).
+TRAINING_META_KEYS = ("val_bpb", "model_config", "user_config", "device_batch_size", "max_seq_len",
+                      "loop_state", "tokenizer")
+# Which train flag sets each model_config field, for messages about a mismatch.
+CONFIG_FLAGS = {"n_layer": "--depth", "n_embd": "--depth and --aspect-ratio", "n_head": "--head-dim",
+                "n_kv_head": "--head-dim", "sequence_len": "--max-seq-len", "window_pattern": "--window-pattern",
+                "vocab_size": "the tokenizer"}
+_TMP_STEP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
+
+
+class CheckpointError(Exception):
+    """Anything a user must fix about checkpoints; the message says what and how."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """The checkpoint is complete but belongs to another model, tokenizer or number of processes."""
+
+
+class IncompleteCheckpointError(CheckpointError, ValueError):
+    """A step is missing items or cannot be read (an interrupted or damaged save)."""
+
+
+class NoCheckpointError(CheckpointError, FileNotFoundError):
+    """No (complete) checkpoint where one was asked for."""
+
+
+# ---- paths, flags and checks before training ----------------------------------------------------
+
+def checkpoint_dir(model_tag: str | None, depth: int, base_dir: str | None = None) -> str:
+    """`<base_dir>/base_checkpoints/<model_tag or d{depth}>`, as nanochat."""
+    return os.path.join(base_dir or get_base_dir(), CHECKPOINTS_SUBDIR, model_tag or f"d{depth}")
+
+
+def parse_resume_step(text: str) -> int | str:
+    """argparse type for --resume-from-step: a step number, -1 (do not resume) or 'latest'."""
+    if text.strip().lower() == LATEST:
+        return LATEST
+    try:
+        step = int(text)
+    except ValueError:
+        raise ValueError(f"--resume-from-step takes a step number, -1 (start fresh) or '{LATEST}', got {text!r}") from None
+    if step < -1:
+        raise ValueError(f"--resume-from-step {step}: steps are >= 0 (or -1 to start fresh, '{LATEST}' for the newest)")
+    return step
+
+
+def tree_nbytes(*trees) -> int:
+    """Bytes of every array (or ShapeDtypeStruct) in the trees: what a checkpoint of them holds."""
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for tree in trees for x in jax.tree.leaves(tree))
+
+
+def check_writable(directory: str, bytes_needed: int = 0) -> None:
+    """Fails now, with what to do, if checkpoints could not be written to `directory` later."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = os.path.join(directory, f".write_test_{os.getpid()}")
+        with open(probe, "wb") as f:
+            f.write(b"ok")
+        os.remove(probe)
+    except OSError as e:
+        raise CheckpointError(
+            f"Cannot write checkpoints to {directory} ({e.strerror or e}). Point $JAXCHAT_BASE_DIR at a "
+            "writable directory, or fix the permissions, before training."
+        ) from e
+    free = shutil.disk_usage(directory).free
+    if bytes_needed > free:
+        raise CheckpointError(
+            f"A checkpoint needs about {bytes_needed / 1e9:.2f} GB but only {free / 1e9:.2f} GB are free under "
+            f"{directory}. Free some space, keep fewer checkpoints, or set $JAXCHAT_BASE_DIR elsewhere."
+        )
+
+
+def tokenizer_info(tokenizer) -> dict:
+    """What a checkpoint records of its tokenizer: the vocabulary size and a hash of the vocabulary
+    itself (merges in rank order, split pattern, special tokens), so a retrained tokenizer of the
+    same size is told apart."""
+    digest = hashlib.sha256(tokenizer.pattern.encode())
+    for token in sorted(tokenizer.mergeable_ranks, key=tokenizer.mergeable_ranks.get):
+        digest.update(len(token).to_bytes(2, "little") + token)
+    digest.update(json.dumps(tokenizer.special_tokens, sort_keys=True).encode())
+    return {"vocab_size": tokenizer.get_vocab_size(), "sha256": digest.hexdigest()}
+
+
+def check_compatible(meta: dict, model_config: GPTConfig | dict | None = None, tokenizer=None,
+                     where: str = "the checkpoint") -> None:
+    """Raises CheckpointMismatchError, naming every difference and what to do, if the checkpoint's
+    model config differs from this run's or its vocabulary from the tokenizer on disk."""
+    saved = meta["model_config"]
+    problems = []
+    if model_config is not None:
+        wanted = model_config if isinstance(model_config, dict) else dataclasses.asdict(model_config)
+        for key in sorted(set(saved) | set(wanted)):
+            if saved.get(key) != wanted.get(key):
+                flag = CONFIG_FLAGS.get(key, key)
+                problems.append(f"{key}: checkpoint {saved.get(key)!r}, this run {wanted.get(key)!r} (set by {flag})")
+    if tokenizer is not None:
+        vocab_size = tokenizer.get_vocab_size()
+        recorded = meta.get("tokenizer") or {}
+        if saved["vocab_size"] != vocab_size:
+            problems.append(f"tokenizer: the checkpoint was trained with a vocabulary of {saved['vocab_size']} tokens, "
+                            f"the tokenizer on disk has {vocab_size}")
+        elif recorded.get("sha256") and recorded["sha256"] != tokenizer_info(tokenizer)["sha256"]:
+            problems.append(f"tokenizer: same size ({vocab_size}) but a different vocabulary than the one the "
+                            "checkpoint was trained with (the tokenizer was retrained since)")
+    if problems:
+        raise CheckpointMismatchError(
+            f"{where} does not match this run:\n  " + "\n  ".join(problems) + "\n"
+            "To continue that run, use the flags it was started with (its meta 'user_config' lists them) and its "
+            "tokenizer; to start a new run, drop --resume-from-step or choose another --model-tag."
+        )
+
+
+def _json_ready(meta: dict) -> dict:
+    """A plain-JSON copy (numpy/jax scalars become Python numbers), so a bad value fails in `save`,
+    not later in Orbax's background thread."""
+
+    def convert(x):
+        if isinstance(x, (np.generic, np.ndarray, jax.Array)) and np.ndim(x) == 0:
+            return np.asarray(x).item()
+        raise TypeError(f"checkpoint metadata holds a {type(x).__name__}, which is not JSON: {x!r}")
+
+    return json.loads(json.dumps(meta, default=convert))
+
+
+def _abstract_with_shardings(abstract, shardings):
+    """ShapeDtypeStructs carrying the target shardings: what Orbax restores onto."""
+    if shardings is None:
+        def keep(x):
+            if getattr(x, "sharding", None) is None:
+                raise ValueError("restore needs target shardings: pass them, or abstract leaves that carry .sharding")
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        return jax.tree.map(keep, abstract)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
+
+
+def _key_name(key) -> str:
+    for attribute in ("name", "key", "idx"):
+        if hasattr(key, attribute):
+            return str(getattr(key, attribute))
+    return str(key)
+
+
+def _signature(tree) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{dotted path: (shape, dtype)} of every leaf; the same paths for a live tree and Orbax's metadata."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {".".join(_key_name(k) for k in path): (tuple(x.shape), str(np.dtype(x.dtype))) for path, x in leaves}
+
+
+def _describe_differences(saved: dict, wanted: dict, limit: int = 5) -> str:
+    lines = [f"{path}: saved {saved.get(path, 'absent')}, expected {wanted.get(path, 'absent')}"
+             for path in sorted(set(saved) | set(wanted)) if saved.get(path) != wanted.get(path)]
+    more = f"\n  ... and {len(lines) - limit} more" if len(lines) > limit else ""
+    return "\n  ".join(lines[:limit]) + more
+
+
+# ---- the checkpoint manager ---------------------------------------------------------------------
+
+class Checkpointer:
+    """Saves and restores the steps of one run in `directory`.
+
+        ckpt = Checkpointer(directory, max_to_keep=3)
+        ckpt.save(step, params, opt_state, train_iter, meta)           # returns while Orbax writes
+        params, opt_state, meta = ckpt.restore("latest", abstract_params, abstract_opt_state,
+                                               param_shardings, opt_shardings, data_iter=train_iter,
+                                               model_config=config, tokenizer=tokenizer)
+        ckpt.close()
+
+    Every process calls every method (Orbax coordinates the writes); messages print on process 0.
+    """
+
+    def __init__(self, directory: str, max_to_keep: int | None = None, async_save: bool = True,
+                 read_only: bool = False):
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be at least 1 (or None to keep every step), got {max_to_keep}")
+        self.directory = os.path.abspath(directory)
+        if read_only and not os.path.isdir(self.directory):
+            raise NoCheckpointError(f"No checkpoints at {self.directory}: train a model first (python -m scripts.train)")
+        unfinished = sorted(name for name in os.listdir(self.directory) if _TMP_STEP.match(name)) \
+            if os.path.isdir(self.directory) else []
+        if unfinished:
+            action = "ignoring" if read_only else "removing"
+            print0(f"Checkpoints in {self.directory}: {action} unfinished save(s) {', '.join(unfinished)} "
+                   "(interrupted while being written)")
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=not read_only,
+            read_only=read_only,
+            create=not read_only,
+        )
+        handlers = {"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
+                    "data": grain.checkpoint.CheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+    # -- saving --
+
+    def save(self, step: int, params, opt_state, data_iter, meta: dict) -> None:
+        """Saves `step` asynchronously. opt_state or data_iter may be None for a weights-only step
+        (an imported model); a training checkpoint needs every key of TRAINING_META_KEYS in meta.
+        The data iterator's state is taken now, so save before drawing the next batch.
+        Steps >= `step` already on disk (from a run this one resumed before they were written) are
+        replaced: their states would no longer follow from this run's."""
+        items = ["params"] + (["opt_state"] if opt_state is not None else []) + (["data"] if data_iter is not None else [])
+        required = TRAINING_META_KEYS if opt_state is not None else ("model_config",)
+        missing = [key for key in required if key not in meta]
+        if missing:
+            raise ValueError(f"checkpoint metadata lacks {missing}; a resumable checkpoint needs {list(required)} "
+                             "('tokenizer': tokenizer_info(tokenizer))")
+        meta = _json_ready({**meta, "step": step, "items": items})
+        newer = [s for s in self.all_steps() if s >= step]
+        if newer:
+            print0(f"Replacing checkpoint step(s) {newer} in {self.directory} by this run's step {step}")
+            for s in newer:
+                self._manager.delete(s)
+        args = {"params": ocp.args.StandardSave(params), "meta": ocp.args.JsonSave(meta)}
+        if opt_state is not None:
+            args["opt_state"] = ocp.args.StandardSave(opt_state)
+        if data_iter is not None:
+            args["data"] = grain.checkpoint.CheckpointSave(data_iter)
+        self._manager.save(step, args=ocp.args.Composite(**args), force=True)
+
+    def wait(self) -> None:
+        """Blocks until every save started so far is complete on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- listing --
+
+    def all_steps(self) -> list[int]:
+        """Every step directory, complete or not (see latest_step for the newest usable one)."""
+        self._manager.wait_until_finished()  # Orbax's save waits for the previous one anyway
+        self._manager.reload()  # see steps removed or damaged on disk since
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest step whose items and metadata are all present and readable, or None."""
+        for step in reversed(self.all_steps()):
+            if self._problem(step) is None:
+                return step
+        return None
+
+    def read_meta(self, step: int) -> dict:
+        self.wait()
+        problem = self._problem(step)
+        if problem:
+            raise IncompleteCheckpointError(f"checkpoint step {step} in {self.directory} is incomplete: {problem}")
+        return self._read_meta(step)
+
+    def _read_meta(self, step: int) -> dict:
+        return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+    def _problem(self, step: int) -> str | None:
+        """Why `step` cannot be restored (missing items, unreadable metadata), or None if it looks complete."""
+        step_dir = os.path.join(self.directory, str(step))
+        if not os.path.isdir(os.path.join(step_dir, "meta")):
+            return "its metadata is missing"
+        try:
+            meta = self._read_meta(step)
+        except (ValueError, OSError) as e:  # JSONDecodeError is a ValueError
+            return f"its metadata cannot be read ({type(e).__name__}: {str(e)[:200]})"
+        if not isinstance(meta, dict) or meta.get("step") != step or "model_config" not in meta or "items" not in meta:
+            return "its metadata is not a jaxchat checkpoint's"
+        for item in meta["items"]:
+            if not os.path.isdir(os.path.join(step_dir, item)):
+                return f"its {item} is missing"
+            if item in ("params", "opt_state"):
+                try:
+                    self._manager.item_metadata(step)[item].tree
+                except (ValueError, OSError, AttributeError) as e:
+                    return f"its {item} metadata cannot be read ({type(e).__name__})"
+        return None
+
+    def _candidates(self, step: int | str) -> list[int]:
+        if step == LATEST:
+            steps = self.all_steps()
+            if not steps:
+                raise NoCheckpointError(f"No checkpoints in {self.directory}: nothing to resume from")
+            return list(reversed(steps))
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a step number or '{LATEST}', got {step!r}")
+        if step not in self.all_steps():
+            raise NoCheckpointError(f"No checkpoint step {step} in {self.directory}; steps there: {self.all_steps()}")
+        return [step]
+
+    # -- restoring --
+
+    def restore(self, step: int | str, abstract_params, abstract_opt_state=None, param_shardings=None, opt_shardings=None,
+                data_iter=None, *, model_config: GPTConfig | dict | None = None, tokenizer=None) -> tuple:
+        """Restores (params, opt_state, meta) of `step` (a number, or LATEST: the newest step that
+        restores completely, skipping damaged ones with a message) onto the given shardings, and sets
+        data_iter's state. abstract_*: ShapeDtypeStruct pytrees of this run's state (jax.eval_shape);
+        shardings: matching pytrees of NamedSharding (None: taken from the abstract leaves).
+        abstract_opt_state=None restores the parameters only. With model_config/tokenizer, a checkpoint
+        of another model or vocabulary is refused (CheckpointMismatchError)."""
+        self.wait()
+        targets = {"params": _abstract_with_shardings(abstract_params, param_shardings)}
+        if abstract_opt_state is not None:
+            targets["opt_state"] = _abstract_with_shardings(abstract_opt_state, opt_shardings)
+        skipped = []
+        for candidate in self._candidates(step):
+            try:
+                restored = self._restore_step(candidate, targets, data_iter, model_config, tokenizer)
+            except IncompleteCheckpointError as e:
+                if step != LATEST:
+                    raise
+                print0(f"Skipping checkpoint step {candidate}: {e}")
+                skipped.append(candidate)
+                continue
+            if skipped:
+                print0(f"Resuming from step {candidate}, the newest complete checkpoint (skipped {skipped})")
+            return restored["params"], restored.get("opt_state"), restored["meta"]
+        raise NoCheckpointError(f"No complete checkpoint in {self.directory}: every step ({skipped}) is damaged")
+
+    def _restore_step(self, step: int, targets: dict, data_iter, model_config, tokenizer) -> dict:
+        where = f"checkpoint step {step} in {self.directory}"
+        problem = self._problem(step)
+        if problem:
+            raise IncompleteCheckpointError(f"{where} is incomplete: {problem}")
+        meta = self._read_meta(step)
+        check_compatible(meta, model_config, tokenizer, where)
+        for item in targets:
+            if item not in meta["items"]:
+                source = f" (imported from {meta['imported_from']})" if "imported_from" in meta else ""
+                raise CheckpointMismatchError(
+                    f"{where} holds no {item}{source}: it can be evaluated or sampled (load_model), not resumed")
+        if data_iter is not None and "data" not in meta["items"]:
+            raise CheckpointMismatchError(f"{where} holds no data iterator state to resume the data from")
+        metadata = self._manager.item_metadata(step)
+        for item, target in targets.items():
+            saved, wanted = _signature(metadata[item].tree), _signature(target)
+            if saved != wanted:
+                raise CheckpointMismatchError(
+                    f"the {item} of {where} has another structure than this run's:\n  "
+                    f"{_describe_differences(saved, wanted)}\n"
+                    "The code of the model or optimizer changed since it was saved; resume with the version that saved it."
+                )
+        args = {item: ocp.args.StandardRestore(target) for item, target in targets.items()}
+        if data_iter is not None:
+            self._check_data_state(step)
+            args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(**args))
+        except (ValueError, OSError) as e:  # tensorstore reports a truncated or missing chunk as ValueError
+            raise IncompleteCheckpointError(f"{where} cannot be read: {type(e).__name__}: {str(e)[:300]}") from e
+        return {"params": restored["params"], "opt_state": restored.get("opt_state"), "meta": meta}
+
+    def _check_data_state(self, step: int) -> None:
+        """grain writes `process_<i>-of-<n>.json` per process: this process's file must be there."""
+        data_dir = os.path.join(self.directory, str(step), "data")
+        count = jax.process_count()
+        if os.path.exists(os.path.join(data_dir, f"process_{jax.process_index()}-of-{count}.json")):
+            return
+        counts = {m.group(1) for m in (re.match(r"process_\d+-of-(\d+)\.json$", n) for n in os.listdir(data_dir)) if m}
+        if counts:
+            raise CheckpointMismatchError(
+                f"the data iterator state of step {step} was saved by {', '.join(sorted(counts))} process(es), this run "
+                f"has {count}: resume with the same number of processes (each reads its own share of the data)"
+            )
+        raise IncompleteCheckpointError(f"checkpoint step {step} in {self.directory} is incomplete: its data state is missing")
+
+
+# ---- loading a model for evaluation and sampling ------------------------------------------------
+
+def find_model_tag(checkpoints_root: str) -> str:
+    """The deepest d<N> run under checkpoints_root, else the most recently written one (as nanochat)."""
+    if not os.path.isdir(checkpoints_root):
+        raise NoCheckpointError(f"No checkpoints at {checkpoints_root}: train a model first (python -m scripts.train)")
+    tags = [t for t in os.listdir(checkpoints_root) if os.path.isdir(os.path.join(checkpoints_root, t))]
+    if not tags:
+        raise NoCheckpointError(f"No checkpoints at {checkpoints_root}: train a model first (python -m scripts.train)")
+    depths = [(int(m.group(1)), t) for t in tags if (m := re.fullmatch(r"d(\d+)", t))]
+    if depths:
+        return max(depths)[1]
+    return max(tags, key=lambda t: os.path.getmtime(os.path.join(checkpoints_root, t)))
+
+
+def load_model(model_tag: str | None = None, step: int | None = None, base_dir: str | None = None,
+               tokenizer=None, **model_kwargs) -> tuple[GPT, dict]:
+    """The GPT of a checkpoint, built from its metadata alone, parameters replicated on every device
+    (no optimizer state is read). model_tag None: the deepest d<N> run; step None: the newest complete
+    step. With a tokenizer, a vocabulary that differs from the model's is refused. model_kwargs go to
+    GPT (dtype, attention_implementation)."""
+    root = os.path.join(base_dir or get_base_dir(), CHECKPOINTS_SUBDIR)
+    model_tag = model_tag or find_model_tag(root)
+    with Checkpointer(os.path.join(root, model_tag), read_only=True) as ckpt:
+        if step is None:
+            step = ckpt.latest_step()
+            if step is None:
+                raise NoCheckpointError(f"No complete checkpoint in {ckpt.directory}")
+        config = GPTConfig(**ckpt.read_meta(step)["model_config"])
+        abstract_model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0), **model_kwargs))
+        graphdef, abstract_params, rest = nnx.split(abstract_model, nnx.Param, ...)
+        replicated = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), PartitionSpec())
+        shardings = jax.tree.map(lambda _: replicated, abstract_params)
+        params, _, meta = ckpt.restore(step, abstract_params, None, shardings, tokenizer=tokenizer)
+    print0(f"Loaded {model_tag} step {step} from {ckpt.directory}")
+    return nnx.merge(graphdef, params, rest), meta

@@ -1,0 +1,454 @@
+"""Checkpoints: round trips are exact, restores land on any mesh, damaged steps are skipped, and
+checkpoints of another model or tokenizer are refused. The reference for every restored value is a
+NumPy copy taken before saving."""
+
+import dataclasses
+import glob
+import json
+import os
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxchat import checkpoint as ckpt
+from jaxchat.gpt import GPT, GPTConfig
+from jaxchat.mesh import make_mesh, replicated, sharded
+from jaxchat.tokenizer import Tokenizer
+
+CONFIG = GPTConfig(sequence_len=16, vocab_size=300, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
+
+
+def make_optimizer(params) -> optax.GradientTransformation:
+    """Two groups as the real optimizer has (stateful transforms with step counts, masked nodes)."""
+    labels = jax.tree.map(lambda p: "matrices" if p.ndim == 2 else "other", params)
+    return optax.partition({"matrices": optax.chain(optax.trace(0.9, nesterov=True), optax.scale_by_schedule(lambda n: 1e-2 / (1 + n))),
+                            "other": optax.adamw(1e-3, b1=0.8, b2=0.95)}, labels)
+
+
+def trained_state(seed: int = 0, steps: int = 2):
+    """Parameters and optimizer state after a few updates, so every leaf holds something particular."""
+    params = nnx.state(GPT(CONFIG, rngs=nnx.Rngs(seed)), nnx.Param)
+    optimizer = make_optimizer(params)
+    opt_state = optimizer.init(params)
+    for i in range(steps):
+        grads = jax.tree.map(lambda p: jnp.sin(p + i + 1.0), params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    return params, opt_state
+
+
+def host_copy(tree) -> list[np.ndarray]:
+    return [np.array(x) for x in jax.tree.leaves(tree)]
+
+
+def assert_tree_equal(tree, reference: list[np.ndarray]) -> None:
+    leaves = jax.tree.leaves(tree)
+    assert len(leaves) == len(reference)
+    for leaf, ref in zip(leaves, reference):
+        assert leaf.dtype == ref.dtype and leaf.shape == ref.shape
+        np.testing.assert_array_equal(np.asarray(leaf), ref)
+
+
+def training_meta(tokenizer=None, **extra) -> dict:
+    meta = {
+        "val_bpb": 1.25,
+        "model_config": dataclasses.asdict(CONFIG),
+        "user_config": {"depth": 2, "run": "dummy"},
+        "device_batch_size": 4,
+        "max_seq_len": 16,
+        "loop_state": {"min_val_bpb": float("inf"), "smooth_train_loss": np.float32(3.5), "total_training_time": 12.0},
+        "tokenizer": ckpt.tokenizer_info(tokenizer) if tokenizer else None,
+    }
+    return {**meta, **extra}
+
+
+def data_iterator():
+    """A real grain pipeline whose position matters: shuffled, batched, prefetched in a thread."""
+    batches = grain.MapDataset.range(200).shuffle(seed=3).batch(4).to_iter_dataset()
+    return grain.experimental.ThreadPrefetchIterDataset(batches, prefetch_buffer_size=2).__iter__()
+
+
+def byte_tokenizer(swap: tuple[int, int] | None = None, extra_merges: int = 0) -> Tokenizer:
+    ranks = {bytes([i]): i for i in range(256)}
+    for j in range(extra_merges):
+        ranks[b"a" + bytes([98 + j])] = 256 + j
+    if swap:
+        a, b = (bytes([swap[0]]), bytes([swap[1]]))
+        ranks[a], ranks[b] = ranks[b], ranks[a]
+    return Tokenizer(ranks)
+
+
+def abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+# ---- round trip ----------------------------------------------------------------------------------
+
+def test_round_trip_params_optimizer_data_and_meta(tmp_path):
+    params, opt_state = trained_state()
+    params_ref, opt_ref = host_copy(params), host_copy(opt_state)
+    loader = data_iterator()
+    for _ in range(5):
+        next(loader)
+    reference = data_iterator()  # the uninterrupted stream: what the restored loader must continue with
+    for _ in range(5):
+        next(reference)
+    expected_batches = [next(reference) for _ in range(6)]
+    reference.close()
+
+    mesh = make_mesh()
+    with ckpt.Checkpointer(str(tmp_path), async_save=True) as saver:
+        saver.save(7, params, opt_state, loader, training_meta())
+        next(loader)  # the state was taken at save time: advancing now must not leak into the checkpoint
+    loader.close()
+
+    fresh = data_iterator()
+    with ckpt.Checkpointer(str(tmp_path)) as loader_ckpt:
+        assert loader_ckpt.all_steps() == [7] and loader_ckpt.latest_step() == 7
+        p_shard, o_shard = replicated(abstract(params), mesh), sharded(abstract(opt_state), mesh)
+        got_params, got_opt, meta = loader_ckpt.restore(7, abstract(params), abstract(opt_state), p_shard, o_shard,
+                                                        data_iter=fresh)
+    assert_tree_equal(got_params, params_ref)
+    assert_tree_equal(got_opt, opt_ref)
+    assert jax.tree.structure(got_params) == jax.tree.structure(params)
+    assert jax.tree.structure(got_opt) == jax.tree.structure(opt_state)
+    for batch in expected_batches:
+        np.testing.assert_array_equal(next(fresh), batch)
+    fresh.close()
+    assert meta["step"] == 7 and meta["items"] == ["params", "opt_state", "data"]
+    assert meta["loop_state"] == {"min_val_bpb": float("inf"), "smooth_train_loss": 3.5, "total_training_time": 12.0}
+    assert {k: meta[k] for k in ("val_bpb", "model_config", "user_config", "device_batch_size", "max_seq_len")} == \
+        {k: training_meta()[k] for k in ("val_bpb", "model_config", "user_config", "device_batch_size", "max_seq_len")}
+
+
+def test_async_save_copies_the_arrays_before_returning(tmp_path):
+    """The train step donates params and opt_state right after save returns: the checkpoint must
+    already hold its own copy. Deleting every buffer at once must not change what gets written."""
+    params, opt_state = trained_state()
+    params_ref, opt_ref = host_copy(params), host_copy(opt_state)
+    with ckpt.Checkpointer(str(tmp_path), async_save=True) as saver:
+        saver.save(3, params, opt_state, None, training_meta())
+        for x in jax.tree.leaves((params, opt_state)):
+            x.delete()
+        saver.wait()
+        mesh = make_mesh(1)
+        got_params, got_opt, _ = saver.restore(3, abstract(params), abstract(opt_state),
+                                               replicated(abstract(params), mesh), replicated(abstract(opt_state), mesh))
+    assert_tree_equal(got_params, params_ref)
+    assert_tree_equal(got_opt, opt_ref)
+
+
+def test_metadata_must_be_json_and_complete(tmp_path):
+    params, opt_state = trained_state(steps=0)
+    with ckpt.Checkpointer(str(tmp_path)) as saver:
+        with pytest.raises(ValueError, match="lacks \\['loop_state'\\]"):
+            saver.save(1, params, opt_state, None, {k: v for k, v in training_meta().items() if k != "loop_state"})
+        with pytest.raises(TypeError, match="not JSON"):
+            saver.save(1, params, opt_state, None, training_meta(user_config={"dir": object()}))
+        assert saver.all_steps() == []
+
+
+# ---- other meshes --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_saved_on_8_devices_restored_on_fewer(tmp_path, devices):
+    params, opt_state = trained_state()
+    params_ref, opt_ref = host_copy(params), host_copy(opt_state)
+    mesh8 = make_mesh(8)
+    params = jax.device_put(params, sharded(params, mesh8))  # FSDP over 8 devices
+    opt_state = jax.device_put(opt_state, sharded(opt_state, mesh8))
+    assert any(len(x.sharding.device_set) == 8 and not x.sharding.is_fully_replicated for x in jax.tree.leaves(params))
+    with ckpt.Checkpointer(str(tmp_path)) as saver:
+        saver.save(5, params, opt_state, None, training_meta())
+
+    mesh = make_mesh(devices)
+    p_shard, o_shard = sharded(abstract(params), mesh), sharded(abstract(opt_state), mesh)
+    with ckpt.Checkpointer(str(tmp_path)) as loader:
+        got_params, got_opt, _ = loader.restore(5, abstract(params), abstract(opt_state), p_shard, o_shard)
+    assert_tree_equal(got_params, params_ref)
+    assert_tree_equal(got_opt, opt_ref)
+    for x, s in zip(jax.tree.leaves((got_params, got_opt)), jax.tree.leaves((p_shard, o_shard))):
+        assert x.sharding == s and len(x.sharding.device_set) == devices
+
+
+def test_replicated_save_restored_fsdp(tmp_path):
+    params, opt_state = trained_state()
+    params_ref = host_copy(params)
+    mesh = make_mesh(8)
+    params = jax.device_put(params, replicated(params, mesh))  # data parallel
+    with ckpt.Checkpointer(str(tmp_path)) as saver:
+        saver.save(5, params, opt_state, None, training_meta())
+    target = sharded(abstract(params), mesh)
+    with ckpt.Checkpointer(str(tmp_path)) as loader:
+        got_params, _, _ = loader.restore(5, abstract(params), None, target)
+    assert_tree_equal(got_params, params_ref)
+    wte = got_params["wte"]["embedding"].get_value()
+    assert wte.sharding == NamedSharding(mesh, P("data", None))  # (320, 64): the larger dim is split 8 ways
+    assert {s.data.shape for s in wte.addressable_shards} == {(40, 64)}
+
+
+def test_shardings_may_come_with_the_abstract_leaves(tmp_path):
+    params, _ = trained_state(steps=0)
+    with ckpt.Checkpointer(str(tmp_path)) as saver:
+        saver.save(1, params, None, None, training_meta())
+        mesh = make_mesh(2)
+        target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                              abstract(params), sharded(abstract(params), mesh))
+        got, _, _ = saver.restore(1, target)
+        assert jax.tree.leaves(got)[0].sharding.mesh == mesh
+        with pytest.raises(ValueError, match="target shardings"):
+            saver.restore(1, abstract(params))
+
+
+# ---- damaged and unfinished steps ----------------------------------------------------------------
+
+def _damage(step_dir: str, how: str) -> None:
+    if how == "optimizer state deleted":
+        for path in sorted(glob.glob(os.path.join(step_dir, "opt_state", "**"), recursive=True), reverse=True):
+            os.remove(path) if os.path.isfile(path) else os.rmdir(path)
+    elif how == "metadata truncated":
+        meta_file = os.path.join(step_dir, "meta", "metadata")
+        with open(meta_file, "r+b") as f:
+            f.truncate(os.path.getsize(meta_file) // 2)
+    elif how == "array data truncated":
+        for path in glob.glob(os.path.join(step_dir, "params", "**", "d", "*"), recursive=True):
+            with open(path, "r+b") as f:
+                f.truncate(8)
+    elif how == "interrupted while written":  # what a kill mid-save leaves: Orbax's temporary directory
+        os.rename(step_dir, step_dir + ".orbax-checkpoint-tmp-1700000000")
+    else:
+        raise AssertionError(how)
+
+
+@pytest.mark.parametrize("how", ["optimizer state deleted", "metadata truncated", "array data truncated",
+                                 "interrupted while written"])
+def test_latest_skips_a_damaged_newest_step(tmp_path, capsys, how):
+    states = {step: trained_state(seed=step) for step in (10, 20)}
+    with ckpt.Checkpointer(str(tmp_path)) as saver:
+        for step, (params, opt_state) in states.items():
+            saver.save(step, params, opt_state, None, training_meta())
+    _damage(os.path.join(tmp_path, "20"), how)
+    capsys.readouterr()
+
+    params, opt_state = states[10]
+    mesh = make_mesh(1)
+    shardings = replicated(abstract(params), mesh), replicated(abstract(opt_state), mesh)
+    with ckpt.Checkpointer(str(tmp_path)) as loader:
+        got_params, got_opt, meta = loader.restore(ckpt.LATEST, abstract(params), abstract(opt_state), *shardings)
+        if how != "interrupted while written":
+            with pytest.raises(ckpt.IncompleteCheckpointError, match="step 20"):
+                loader.restore(20, abstract(params), abstract(opt_state), *shardings)
+    assert meta["step"] == 10
+    assert_tree_equal(got_params, host_copy(params))
+    assert_tree_equal(got_opt, host_copy(opt_state))
+    out = capsys.readouterr().out
+    if how == "interrupted while written":
+        assert "removing unfinished save(s) 20.orbax-checkpoint-tmp" in out
+        assert not os.path.exists(os.path.join(tmp_path, "20.orbax-checkpoint-tmp-1700000000"))
+    else:
+        assert "Skipping checkpoint step 20" in out
+        assert "Resuming from step 10, the newest complete checkpoint (skipped [20])" in out
+
+
+def test_latest_step_sees_missing_items_without_reading_arrays(tmp_path):
+    params, opt_state = trained_state(steps=0)
+    with ckpt.Checkpointer(str(tmp_path)) as saver:
+        saver.save(1, params, opt_state, None, training_meta())
+        saver.save(2, params, opt_state, None, training_meta())
+    _damage(os.path.join(tmp_path, "2"), "optimizer state deleted")
+    with ckpt.Checkpointer(str(tmp_path)) as loader:
+        assert loader.all_steps() == [1, 2]
+        assert loader.latest_step() == 1
+        with pytest.raises(ckpt.IncompleteCheckpointError, match="opt_state is missing"):
+            loader.read_meta(2)
+
+
+def test_no_complete_checkpoint_is_an_error(tmp_path):
+    params, opt_state = trained_state(steps=0)
+    with ckpt.Checkpointer(str(tmp_path)) as saver:
+        with pytest.raises(ckpt.NoCheckpointError, match="nothing to resume"):
+            saver.restore(ckpt.LATEST, abstract(params), None, replicated(abstract(params), make_mesh(1)))
+        saver.save(1, params, opt_state, None, training_meta())
+    _damage(os.path.join(tmp_path, "1"), "metadata truncated")
+    with ckpt.Checkpointer(str(tmp_path)) as loader:
+        with pytest.raises(ckpt.NoCheckpointError, match="every step \\(\\[1\\]\\) is damaged"):
+            loader.restore(ckpt.LATEST, abstract(params), None, replicated(abstract(params), make_mesh(1)))
+        with pytest.raises(ckpt.NoCheckpointError, match="steps there: \\[1\\]"):
+            loader.restore(5, abstract(params), None, replicated(abstract(params), make_mesh(1)))
+
+
+# ---- refusing checkpoints of another model, tokenizer, optimizer ----------------------------------
+
+def test_model_config_mismatch_is_refused_with_the_differences(tmp_path):
+    params, opt_state = trained_state(steps=0)
+    with ckpt.Checkpointer(str(tmp_path)) as saver:
+        saver.save(1, params, opt_state, None, training_meta())
+        shardings = replicated(abstract(params), make_mesh(1)), replicated(abstract(opt_state), make_mesh(1))
+        other = GPTConfig(**{**training_meta()["model_config"], "n_layer": 3, "window_pattern": "L"})
+        with pytest.raises(ckpt.CheckpointMismatchError) as error:
+            saver.restore(1, abstract(params), abstract(opt_state), *shardings, model_config=other)
+    message = str(error.value)
+    assert "n_layer: checkpoint 2, this run 3 (set by --depth)" in message
+    assert "window_pattern: checkpoint 'SSSL', this run 'L' (set by --window-pattern)" in message
+    assert "n_embd" not in message
+    assert "drop --resume-from-step or choose another --model-tag" in message
+
+
+def test_tokenizer_mismatch_is_refused(tmp_path):
+    trained_with = byte_tokenizer(extra_merges=35)  # 256 + 35 + 9 special tokens = 300 = CONFIG.vocab_size
+    assert trained_with.get_vocab_size() == CONFIG.vocab_size
+    params, opt_state = trained_state(steps=0)
+    with ckpt.Checkpointer(str(tmp_path)) as saver:
+        saver.save(1, params, opt_state, None, training_meta(trained_with))
+        shardings = replicated(abstract(params), make_mesh(1)), replicated(abstract(opt_state), make_mesh(1))
+        targets = (abstract(params), abstract(opt_state), *shardings)
+        saver.restore(1, *targets, model_config=CONFIG, tokenizer=byte_tokenizer(extra_merges=35))  # the same: fine
+        with pytest.raises(ckpt.CheckpointMismatchError, match="vocabulary of 300 tokens, the tokenizer on disk has 299"):
+            saver.restore(1, *targets, tokenizer=byte_tokenizer(extra_merges=34))
+        with pytest.raises(ckpt.CheckpointMismatchError, match="same size \\(300\\) but a different vocabulary"):
+            saver.restore(1, *targets, tokenizer=byte_tokenizer(swap=(97, 98), extra_merges=35))
+
+
+def test_optimizer_structure_mismatch_is_refused(tmp_path):
+    params, opt_state = trained_state(steps=0)
+    with ckpt.Checkpointer(str(tmp_path)) as saver:
+        saver.save(1, params, opt_state, None, training_meta())
+        other_opt = optax.adam(1e-3).init(params)
+        mesh = make_mesh(1)
+        with pytest.raises(ckpt.CheckpointMismatchError, match="opt_state of checkpoint step 1 .* another structure"):
+            saver.restore(1, abstract(params), abstract(other_opt), replicated(abstract(params), mesh),
+                          replicated(abstract(other_opt), mesh))
+
+
+def test_weights_only_step_restores_params_but_cannot_resume(tmp_path):
+    params, _ = trained_state()
+    with ckpt.Checkpointer(str(tmp_path)) as saver:
+        saver.save(4, params, None, None, {"model_config": training_meta()["model_config"], "imported_from": "x.safetensors"})
+        mesh = make_mesh(1)
+        got, opt, meta = saver.restore(4, abstract(params), None, replicated(abstract(params), mesh))
+        assert opt is None and meta["items"] == ["params"]
+        assert_tree_equal(got, host_copy(params))
+        _, opt_state = trained_state(steps=0)
+        with pytest.raises(ckpt.CheckpointMismatchError, match="holds no opt_state \\(imported from x.safetensors\\)"):
+            saver.restore(4, abstract(params), abstract(opt_state), replicated(abstract(params), mesh),
+                          replicated(abstract(opt_state), mesh))
+
+
+def test_data_state_of_another_process_count_is_refused(tmp_path):
+    params, opt_state = trained_state(steps=0)
+    loader = data_iterator()
+    with ckpt.Checkpointer(str(tmp_path)) as saver:
+        saver.save(1, params, opt_state, loader, training_meta())
+    loader.close()
+    data_dir = os.path.join(tmp_path, "1", "data")
+    (name,) = [n for n in os.listdir(data_dir) if n.endswith(".json")]
+    assert name == "process_0-of-1.json"
+    os.rename(os.path.join(data_dir, name), os.path.join(data_dir, "process_0-of-2.json"))
+    fresh = data_iterator()
+    mesh = make_mesh(1)
+    with ckpt.Checkpointer(str(tmp_path)) as loader_ckpt:
+        with pytest.raises(ckpt.CheckpointMismatchError, match="saved by 2 process\\(es\\), this run has 1"):
+            loader_ckpt.restore(1, abstract(params), abstract(opt_state), replicated(abstract(params), mesh),
+                                replicated(abstract(opt_state), mesh), data_iter=fresh)
+    fresh.close()
+
+
+# ---- keeping, replacing, flags, writability ------------------------------------------------------
+
+def test_max_to_keep_and_replacing_newer_steps(tmp_path, capsys):
+    params, opt_state = trained_state(steps=0)
+    with ckpt.Checkpointer(str(tmp_path), max_to_keep=2) as saver:
+        for step in (1, 2, 3, 4):
+            saver.save(step, params, opt_state, None, training_meta(val_bpb=float(step)))
+        saver.wait()
+        assert saver.all_steps() == [3, 4]
+    # a run resumed from step 3 reaches step 4 again: its step 4 replaces the old one
+    with ckpt.Checkpointer(str(tmp_path), max_to_keep=2) as saver:
+        saver.save(4, params, opt_state, None, training_meta(val_bpb=0.5))
+        saver.wait()
+        assert saver.all_steps() == [3, 4]
+        assert saver.read_meta(4)["val_bpb"] == 0.5
+    assert "Replacing checkpoint step(s) [4]" in capsys.readouterr().out
+
+
+def test_parse_resume_step():
+    assert ckpt.parse_resume_step("latest") == ckpt.LATEST
+    assert ckpt.parse_resume_step("120") == 120
+    assert ckpt.parse_resume_step("-1") == -1
+    for bad in ("newest", "-3", "1.5"):
+        with pytest.raises(ValueError, match="resume-from-step"):
+            ckpt.parse_resume_step(bad)
+
+
+def test_checkpoint_dir_follows_nanochat(tmp_path):
+    assert ckpt.checkpoint_dir(None, 20, str(tmp_path)) == os.path.join(tmp_path, "base_checkpoints", "d20")
+    assert ckpt.checkpoint_dir("mine", 20, str(tmp_path)) == os.path.join(tmp_path, "base_checkpoints", "mine")
+
+
+def test_check_writable(tmp_path):
+    ckpt.check_writable(str(tmp_path / "new" / "run"))
+    assert os.path.isdir(tmp_path / "new" / "run")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(ckpt.CheckpointError, match="Cannot write checkpoints to .*JAXCHAT_BASE_DIR"):
+        ckpt.check_writable(str(blocker / "run"))
+    with pytest.raises(ckpt.CheckpointError, match="needs about .* GB but only"):
+        ckpt.check_writable(str(tmp_path), bytes_needed=10**18)
+
+
+def test_tree_nbytes_counts_every_leaf():
+    params, opt_state = trained_state(steps=0)
+    expected = sum(x.size * x.dtype.itemsize for x in host_copy(params) + host_copy(opt_state))
+    assert ckpt.tree_nbytes(params, opt_state) == ckpt.tree_nbytes(abstract(params), abstract(opt_state)) == expected
+    assert ckpt.tree_nbytes(params) == 4 * sum(x.size for x in host_copy(params))
+
+
+# ---- loading a model for inference ---------------------------------------------------------------
+
+def test_load_model_from_metadata_alone(tmp_path, capsys):
+    model = GPT(CONFIG, rngs=nnx.Rngs(5))
+    params, opt_state = nnx.state(model, nnx.Param), trained_state(steps=0)[1]
+    directory = ckpt.checkpoint_dir(None, CONFIG.n_layer, str(tmp_path))
+    with ckpt.Checkpointer(directory) as saver:
+        saver.save(8, params, opt_state, None, training_meta(byte_tokenizer(extra_merges=35)))
+    os.makedirs(os.path.join(tmp_path, "base_checkpoints", "d1"))  # a shallower run: not the default
+
+    loaded, meta = ckpt.load_model(base_dir=str(tmp_path), tokenizer=byte_tokenizer(extra_merges=35))
+    assert meta["step"] == 8 and loaded.config == CONFIG
+    assert_tree_equal(nnx.state(loaded, nnx.Param), host_copy(params))
+    assert all(x.sharding.is_fully_replicated and len(x.sharding.device_set) == len(jax.devices())
+               for x in jax.tree.leaves(nnx.state(loaded, nnx.Param)))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, CONFIG.vocab_size, (2, 16)), jnp.int32)
+    np.testing.assert_array_equal(np.asarray(loaded(tokens)), np.asarray(model(tokens)))
+    assert "Loaded d2 step 8" in capsys.readouterr().out
+    with pytest.raises(ckpt.CheckpointMismatchError, match="the tokenizer on disk has 299"):
+        ckpt.load_model("d2", 8, base_dir=str(tmp_path), tokenizer=byte_tokenizer(extra_merges=34))
+
+
+def test_find_model_tag(tmp_path):
+    with pytest.raises(ckpt.NoCheckpointError):
+        ckpt.find_model_tag(str(tmp_path / "none"))
+    for tag in ("d4", "d12", "d6"):
+        os.makedirs(tmp_path / tag)
+    assert ckpt.find_model_tag(str(tmp_path)) == "d12"
+    only_named = tmp_path / "named"
+    for i, tag in enumerate(("old", "new")):
+        os.makedirs(only_named / tag)
+        os.utime(only_named / tag, (1e9 + i, 1e9 + i))
+    assert ckpt.find_model_tag(str(only_named)) == "new"
+
+
+def test_meta_file_is_plain_json(tmp_path):
+    """Other tools (and people) read the metadata: one JSON file per step."""
+    params, opt_state = trained_state(steps=0)
+    with ckpt.Checkpointer(str(tmp_path)) as saver:
+        saver.save(2, params, opt_state, None, training_meta())
+    with open(os.path.join(tmp_path, "2", "meta", "metadata")) as f:
+        meta = json.load(f)
+    assert meta["model_config"]["n_layer"] == 2 and meta["step"] == 2
