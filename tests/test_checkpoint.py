@@ -3,6 +3,7 @@ checkpoints of another model or tokenizer are refused. The reference for every r
 NumPy copy taken before saving."""
 
 import dataclasses
+import functools
 import glob
 import json
 import os
@@ -19,22 +20,23 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxchat import checkpoint as ckpt
 from jaxchat.gpt import GPT, GPTConfig
 from jaxchat.mesh import make_mesh, replicated, sharded
+from jaxchat.optim import setup_optimizer
 from jaxchat.tokenizer import Tokenizer
 
 CONFIG = GPTConfig(sequence_len=16, vocab_size=300, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
 
 
-def make_optimizer(params) -> optax.GradientTransformation:
-    """Two groups as the real optimizer has (stateful transforms with step counts, masked nodes)."""
-    labels = jax.tree.map(lambda p: "matrices" if p.ndim == 2 else "other", params)
-    return optax.partition({"matrices": optax.chain(optax.trace(0.9, nesterov=True), optax.scale_by_schedule(lambda n: 1e-2 / (1 + n))),
-                            "other": optax.adamw(1e-3, b1=0.8, b2=0.95)}, labels)
-
-
 def trained_state(seed: int = 0, steps: int = 2):
-    """Parameters and optimizer state after a few updates, so every leaf holds something particular."""
+    """Parameters and state of the real optimizer (Muon + AdamW groups, step counts) after a few
+    updates, so every leaf holds something particular. Fresh buffers on every call (tests delete them)."""
+    return jax.tree.map(jnp.array, _trained_state(seed, steps))
+
+
+@functools.cache
+def _trained_state(seed: int, steps: int):
     params = nnx.state(GPT(CONFIG, rngs=nnx.Rngs(seed)), nnx.Param)
-    optimizer = make_optimizer(params)
+    optimizer = setup_optimizer(params, model_dim=CONFIG.n_embd, depth=CONFIG.n_layer, num_iterations=10,
+                                total_batch_size=2**19)
     opt_state = optimizer.init(params)
     for i in range(steps):
         grads = jax.tree.map(lambda p: jnp.sin(p + i + 1.0), params)
