@@ -39,20 +39,29 @@ def abstract_model(config: GPTConfig, seed: int = 0, **model_kwargs) -> GPT:
     return nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(seed), **model_kwargs))
 
 
+def abstract_train_state(config: GPTConfig, optimizer: optax.GradientTransformation, mesh: Mesh, *,
+                         fsdp: bool = False, seed: int = 0, **model_kwargs) -> TrainState:
+    """The train state's shapes and shardings, with ShapeDtypeStructs for arrays: what a checkpoint
+    is restored into, and what init_train_state fills."""
+    graphdef, abstract_params = nnx.split(abstract_model(config, seed, **model_kwargs))
+    p_shardings = param_shardings(abstract_params, mesh, fsdp)
+    abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
+    o_shardings = optimizer_state_shardings(abstract_opt_state, mesh)
+    return TrainState(graphdef, abstract_params, abstract_opt_state, p_shardings, o_shardings)
+
+
 def init_train_state(config: GPTConfig, optimizer: optax.GradientTransformation, mesh: Mesh, *,
                      fsdp: bool = False, seed: int = 0, **model_kwargs) -> TrainState:
     """Initialise parameters and optimizer state directly into their shardings on the mesh, so no
     device ever holds a full copy it should not (eval_shape, then a jitted init with out_shardings)."""
-    graphdef, abstract_params = nnx.split(abstract_model(config, seed, **model_kwargs))
-    p_shardings = param_shardings(abstract_params, mesh, fsdp)
+    state = abstract_train_state(config, optimizer, mesh, fsdp=fsdp, seed=seed, **model_kwargs)
 
     def init_params():
         return nnx.state(GPT(config, rngs=nnx.Rngs(seed), **model_kwargs))
 
-    params = jax.jit(init_params, out_shardings=p_shardings)()
-    o_shardings = optimizer_state_shardings(jax.eval_shape(optimizer.init, abstract_params), mesh)
-    opt_state = jax.jit(optimizer.init, out_shardings=o_shardings)(params)
-    return TrainState(graphdef, params, opt_state, p_shardings, o_shardings)
+    state.params = jax.jit(init_params, out_shardings=state.param_shardings)()
+    state.opt_state = jax.jit(optimizer.init, out_shardings=state.opt_shardings)(state.params)
+    return state
 
 
 def make_train_step(state: TrainState, optimizer: optax.GradientTransformation, mesh: Mesh) -> Callable:
