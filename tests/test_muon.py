@@ -19,7 +19,7 @@ import optax
 import pytest
 from jax.sharding import Mesh
 
-from jaxchat.muon import muon, polar_express
+from jaxchat.muon import muon, polar_express, polar_express_flops
 
 COEFFS = [
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
@@ -249,6 +249,17 @@ def test_polar_express_batched_equals_one_by_one():
     for i in range(5):
         single = np.asarray(polar_express(jnp.asarray(g[i])), np.float32)
         np.testing.assert_array_equal(batched[i], single)
+
+
+@pytest.mark.parametrize("shape", [(3, 768, 768), (2, 256, 1024), (2, 1024, 256)])  # compiled, not run
+def test_polar_express_flops_agree_with_xla(shape):
+    compiled = jax.jit(polar_express).lower(jax.ShapeDtypeStruct(shape, jnp.float32)).compile()
+    cost = compiled.cost_analysis()
+    xla_flops = (cost[0] if isinstance(cost, list) else cost)["flops"]
+    m, n = sorted(shape[1:])
+    by_hand = shape[0] * 5 * (2 * m * m * n + 2 * m**3 + 2 * m * m * n)
+    assert polar_express_flops([shape]) == by_hand
+    assert by_hand <= xla_flops <= 1.02 * by_hand  # XLA also counts the elementwise terms
 
 
 def test_bf16_rounding_is_what_separates_bf16_from_exact():
