@@ -105,14 +105,16 @@ def select_platform(device_type: str) -> None:
     """Start the backend the user asked for, or explain why it is not there."""
     import jax
 
-    platform = {"cuda": "cuda", "gpu": "cuda", "cpu": "cpu", "tpu": "tpu"}.get(device_type)
-    if platform:
-        jax.config.update("jax_platforms", platform)
+    if device_type == "cpu":
+        jax.config.update("jax_platforms", "cpu")
     try:
-        jax.devices()
-    except RuntimeError as e:
-        extra = " Install the GPU build with `pip install -e '.[cuda12]'`." if platform == "cuda" else ""
-        fail(f"--device-type {device_type} asked for, but no such device is present ({e.__class__.__name__}).{extra} "
+        present = jax.default_backend()  # 'gpu', 'tpu' or 'cpu'
+    except (RuntimeError, AssertionError) as e:
+        fail(f"no JAX backend could start ({e or type(e).__name__}); check $JAX_PLATFORMS, or use --device-type=cpu")
+    wanted = {"cuda": "gpu", "gpu": "gpu", "tpu": "tpu"}.get(device_type)
+    if wanted and present != wanted:
+        extra = " Install the GPU build with `pip install -e '.[cuda12]'`." if wanted == "gpu" else ""
+        fail(f"--device-type {device_type} asked for, but no such device is present (JAX sees: {present}).{extra} "
              "Use --device-type=cpu, or leave it empty to autodetect.")
 
 

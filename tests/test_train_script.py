@@ -1,0 +1,77 @@
+"""`python -m scripts.train` as a user runs it: a short run on the built-in corpus, and the bad inputs
+that must stop before any compute with a message and no traceback."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from jaxchat import dataset
+from jaxchat.tokenizer import Tokenizer
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN = ["--depth=2", "--max-seq-len=128", "--device-batch-size=4", "--total-batch-size=1024", "--num-devices=2",
+       "--num-iterations=30", "--eval-every=15", "--eval-tokens=1024", "--core-metric-every=-1",
+       "--sample-every=30", "--device-type=cpu", "--loader-workers=1",
+       # a tiny batch scales nanochat's learning rates down by sqrt(1024 / 2^19) = 1/22: raise them to see learning
+       "--matrix-lr=0.1", "--embedding-lr=1.0", "--unembedding-lr=0.02"]
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    """A base dir as after `python -m jaxchat.dataset --builtin` and `python -m scripts.tok_train`."""
+    base = tmp_path_factory.mktemp("train_script")
+    documents = dataset.builtin_documents()[:300]
+    dataset.write_shards(lambda: documents, str(base / "base_data"), chars_per_shard=150_000, docs_per_row_group=8)
+    Tokenizer.train_from_iterator(iter(documents), vocab_size=512).save(str(base / "tokenizer"))
+    return base
+
+
+def train(base_dir, *flags, timeout=300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAXCHAT_BASE_DIR": str(base_dir), "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "scripts.train", *flags], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_short_run_learns_evaluates_and_samples(base_dir):
+    result = train(base_dir, *RUN)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    losses = [float(m) for m in re.findall(r"^step \d+/00030 .*?\| loss: ([\d.]+) \|", out, re.M)]
+    assert len(losses) == 30
+    assert losses[-1] < losses[0] - 1.0, (losses[0], losses[-1])
+    bpbs = [float(m) for m in re.findall(r"^Step (?:00000|00015|00030) \| Validation bpb: ([\d.]+)$", out, re.M)]
+    assert len(bpbs) == 3 and bpbs[-1] < bpbs[0]
+    samples = [line for line in out.splitlines() if line.startswith("<|bos|>")]
+    assert len(samples) == 7 and samples[0].startswith("<|bos|>The capital of France is")
+    # the preamble and the end-of-run figures, as base_train.py prints them
+    for needle in ("Number of parameters:", "Estimated FLOPs per token:", "Total batch size 1,024 => gradient "
+                   "accumulation steps: 1", "Tokens : Params ratio:", "Total training time:",
+                   "Minimum validation bpb:", "Peak memory usage:"):
+        assert needle in out, needle
+    assert re.search(r"mfu: n/a \| epoch: \d+ \| total time: ", out)  # no peak FLOP/s known for a CPU
+    assert os.path.isdir(base_dir / "base_checkpoints" / "d2" / "30")  # saved at the end
+    report = (base_dir / "report" / "base-model-training.md").read_text()
+    reported = float(re.search(r"^- Minimum validation bpb: ([\d.]+)$", report, re.M).group(1))
+    assert abs(reported - min(bpbs)) < 1e-5
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--total-batch-size=1000"], "is not a multiple of device_batch_size x max_seq_len x devices"),
+    (["--depth=1", "--aspect-ratio=3"], "odd head size 3"),
+    (["--device-type=cuda"], "no such device is present"),
+    (["--device-type=mps"], "JAX has no MPS backend"),
+    (["--num-devices=99"], "99 devices requested but only 8 exist"),
+    (["--window-pattern=SXL"], "must be made of S"),
+    (["--num-iterations=-1", "--target-param-data-ratio=-1"], "no training horizon"),
+])
+def test_bad_input_stops_with_a_message(tmp_path, flags, message):
+    # an empty base dir: each of these must be caught before the tokenizer or data are even looked at
+    result = train(tmp_path, "--depth=2", "--max-seq-len=128", "--device-batch-size=4", "--total-batch-size=512",
+                   "--num-devices=1", *flags, timeout=120)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not os.path.exists(tmp_path / "base_checkpoints")
