@@ -7,17 +7,25 @@ import functools
 import glob
 import json
 import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
 
 import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
+from etils import epath
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxchat import checkpoint as ckpt
+from jaxchat import dataset
 from jaxchat.gpt import GPT, GPTConfig
 from jaxchat.mesh import make_mesh, replicated, sharded
 from jaxchat.optim import setup_optimizer
@@ -454,3 +462,115 @@ def test_meta_file_is_plain_json(tmp_path):
     with open(os.path.join(tmp_path, "2", "meta", "metadata")) as f:
         meta = json.load(f)
     assert meta["model_config"]["n_layer"] == 2 and meta["step"] == 2
+
+
+# ---- end to end: scripts.train resumes exactly, and survives SIGTERM -------------------------------
+
+TRAIN_STEPS = 20
+TRAIN_FLAGS = ["--depth=2", "--max-seq-len=64", "--device-batch-size=2", "--total-batch-size=512",  # 2 micro-steps
+               "--num-devices=2", f"--num-iterations={TRAIN_STEPS}", "--warmup-ratio=0.1", "--eval-every=10",
+               "--eval-tokens=512", "--core-metric-every=-1", "--sample-every=-1", "--loader-workers=1",
+               "--device-type=cpu"]
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def train_base_dir(tmp_path_factory):
+    """A base dir as a user's after `python -m jaxchat.dataset --builtin` and `python -m scripts.tok_train`."""
+    base = tmp_path_factory.mktemp("train_base")
+    os.makedirs(base / "xla_cache")
+    documents = dataset.builtin_documents()[:300]
+    dataset.write_shards(lambda: documents, str(base / "base_data"), chars_per_shard=150_000, docs_per_row_group=8)
+    Tokenizer.train_from_iterator(iter(documents), vocab_size=512).save(str(base / "tokenizer"))
+    return base
+
+
+def start_train(base_dir, *flags) -> subprocess.Popen:
+    # The runs share XLA's compilation cache: each compiles the same step, which is most of its time.
+    env = {**os.environ, "JAXCHAT_BASE_DIR": str(base_dir), "PYTHONUNBUFFERED": "1",
+           "JAX_COMPILATION_CACHE_DIR": str(base_dir / "xla_cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    return subprocess.Popen([sys.executable, "-m", "scripts.train", *TRAIN_FLAGS, *flags], cwd=REPO_ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def run_train(base_dir, *flags) -> str:
+    process = start_train(base_dir, *flags)
+    out, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, out[-3000:]
+    return out
+
+
+def step_losses(out: str) -> dict[int, str]:
+    """{step: the loss as printed} from the step lines."""
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r"^step (\d+)/\d+ .*?\| loss: ([\d.]+) \|", out, re.M)}
+
+
+def saved_arrays(step_dir: str, item: str) -> dict[str, np.ndarray]:
+    """Every array of one item of a saved step, by path, as NumPy: read without knowing the structure."""
+    path = epath.Path(step_dir) / item
+    structure = ocp.PyTreeCheckpointHandler().metadata(path).tree
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), structure)
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+        tree = reader.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+    return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def assert_same_step(dir_a: str, dir_b: str) -> None:
+    """Parameters, optimizer state and data iterator state identical, bit for bit; loop state too."""
+    for item in ("params", "opt_state"):
+        a, b = saved_arrays(dir_a, item), saved_arrays(dir_b, item)
+        assert a.keys() == b.keys()
+        for path in a:
+            np.testing.assert_array_equal(a[path], b[path], err_msg=f"{item}{path}")
+    data_file = os.path.join("data", "process_0-of-1.json")
+    with open(os.path.join(dir_a, data_file)) as fa, open(os.path.join(dir_b, data_file)) as fb:
+        assert json.load(fa) == json.load(fb)
+    with open(os.path.join(dir_a, "meta", "metadata")) as fa, open(os.path.join(dir_b, "meta", "metadata")) as fb:
+        meta_a, meta_b = json.load(fa), json.load(fb)
+    for key in ("step", "val_bpb", "model_config"):
+        assert meta_a[key] == meta_b[key], key
+    for key in ("min_val_bpb", "smooth_train_loss"):
+        assert meta_a["loop_state"][key] == meta_b["loop_state"][key], key
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(train_base_dir):
+    """20 steps in one go, saving at 8 and 16 on the way (saving only reads the state)."""
+    out = run_train(train_base_dir, "--model-tag=split", "--save-every=8")
+    checkpoints = train_base_dir / "base_checkpoints"
+    assert sorted(os.listdir(checkpoints / "split"), key=int) == ["8", "16", "20"]
+    shutil.copytree(checkpoints / "split", checkpoints / "uninterrupted")  # the next test replaces steps 16 and 20
+    return step_losses(out), str(checkpoints / "uninterrupted" / str(TRAIN_STEPS))
+
+
+def test_resume_in_a_new_process_is_exact(train_base_dir, uninterrupted):
+    losses, final_dir = uninterrupted
+    out = run_train(train_base_dir, "--model-tag=split", "--save-every=8", "--resume-from-step=8")
+    assert "Replacing checkpoint step(s) [16, 20]" in out
+    resumed = step_losses(out)
+    assert sorted(resumed) == list(range(8, TRAIN_STEPS))
+    assert resumed == {step: losses[step] for step in resumed}
+    assert_same_step(str(train_base_dir / "base_checkpoints" / "split" / str(TRAIN_STEPS)), final_dir)
+
+
+def test_sigterm_saves_and_the_run_finishes_the_same(train_base_dir, uninterrupted):
+    losses, final_dir = uninterrupted
+    process = start_train(train_base_dir, "--model-tag=sigterm", "--save-every=-1")
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if line.startswith("step 00003/"):
+            process.send_signal(signal.SIGTERM)
+            break
+    out = "".join(lines) + process.communicate(timeout=300)[0]
+    assert process.returncode == 0, out[-3000:]
+    stopped_at = int(re.search(r"Resume with --resume-from-step=(\d+)", out).group(1))
+    assert 3 < stopped_at < TRAIN_STEPS, out[-3000:]
+    assert os.listdir(train_base_dir / "base_checkpoints" / "sigterm") == [str(stopped_at)]
+
+    out = run_train(train_base_dir, "--model-tag=sigterm", "--save-every=-1", "--resume-from-step=latest")
+    resumed = step_losses(out)
+    assert min(resumed) == stopped_at and max(resumed) == TRAIN_STEPS - 1
+    assert resumed[TRAIN_STEPS - 1] == losses[TRAIN_STEPS - 1]
+    assert_same_step(str(train_base_dir / "base_checkpoints" / "sigterm" / str(TRAIN_STEPS)), final_dir)
