@@ -1,0 +1,307 @@
+"""
+Benchmarks that print a table (and can write JSON). Speed is measured here, never in tests.
+
+  python -m scripts.bench train --depth 4 --max-seq-len 512 --device-batch-size 4 --vocab-size 8192
+  python -m scripts.bench train --depth 12 --window-pattern SSSL L          # one row per pattern
+  python -m scripts.bench loader --builtin --vocab-size 8192
+
+train: the real train step (model, Muon + AdamW, gradient accumulation, shardings) on random tokens:
+compile time, steady-state step time, tok/s, model FLOP/s (nanochat's estimate_flops per token),
+MFU against the device's bf16 peak -- on a CPU against a float32 matmul rate measured here --,
+peak memory, the time of forward+backward alone and of one optimizer update alone, and XLA's
+cost_analysis FLOPs of forward+backward against estimate_flops (how much extra work the compiled
+graph does: attention masks computed in full, norms, softmax, the loss).
+
+loader: the data loader's throughput in tokens/s, the share of tokens cropped by best-fit packing,
+its CPU cost, and the size and restore time of its checkpoint state.
+"""
+
+import argparse
+import json
+import resource
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxchat import dataset
+from jaxchat.common import peak_flops_per_device, quiet_jax_warnings
+from jaxchat.dataloader import make_train_loader
+from jaxchat.gpt import GPTConfig, estimate_flops
+from jaxchat.mesh import batch_sharding, make_mesh, put_batch
+from jaxchat.optim import setup_optimizer
+from jaxchat.tokenizer import Tokenizer, get_tokenizer
+from jaxchat.trainer import init_train_state, make_train_step
+from scripts.train import find_num_heads
+
+TARGET_TOKENS_PER_S = 1e6  # what a d20 run on 8 H100s consumes per host
+FINEWEB_CROPPED_FRACTION = 0.35  # SPEC §7, nanochat's figure at T=2048 on FineWeb-Edu
+
+
+def print_table(results: list[dict], columns: list[tuple[str, str]]) -> None:
+    cells = [[fmt.format(r[name]) if r.get(name) is not None else "n/a" for name, fmt in columns] for r in results]
+    widths = [max(len(name), *(len(row[i]) for row in cells)) for i, (name, _) in enumerate(columns)]
+    print("  ".join(name.rjust(w) for (name, _), w in zip(columns, widths)))
+    for row in cells:
+        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+
+
+def timed(fn, *args, repeats: int) -> float:
+    """Seconds per call of an already compiled fn, after one warm-up call."""
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / repeats
+
+
+def xla_flops(compiled) -> float:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # a list in older JAX versions
+    return float(cost.get("flops", 0.0))
+
+
+def cpu_matmul_flops_per_s(n: int = 1024, repeats: int = 20) -> float:
+    """float32 matmul rate of one CPU device: the denominator of MFU where no peak is published."""
+    a = jnp.ones((n, n), jnp.float32)
+    matmul = jax.jit(lambda x: x @ x).lower(a).compile()
+    return 2 * n**3 / timed(matmul, a, repeats=repeats)
+
+
+def peak_memory_bytes(devices) -> tuple[int, str]:
+    """Peak device memory if the backend reports it, else the process's peak resident host memory."""
+    stats = [d.memory_stats() or {} for d in devices]
+    peak = max((s.get("peak_bytes_in_use", 0) for s in stats), default=0)
+    if peak:
+        return peak, "device"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "host RSS"
+
+
+def bench_train(*, depth: int, aspect_ratio: int = 64, head_dim: int = 128, max_seq_len: int = 2048,
+                device_batch_size: int = 32, grad_accum: int = 1, vocab_size: int = 65536,
+                window_pattern: str = "SSSL", num_devices: int = -1, fsdp: bool = False, steps: int = 10,
+                attention: str | None = None) -> dict:
+    mesh = make_mesh(num_devices)
+    world = mesh.devices.size
+    model_dim = depth * aspect_ratio
+    num_heads = find_num_heads(model_dim, head_dim)
+    config = GPTConfig(sequence_len=max_seq_len, vocab_size=vocab_size, n_layer=depth, n_head=num_heads,
+                       n_kv_head=num_heads, n_embd=model_dim, window_pattern=window_pattern)
+    model_kwargs = {"attention_implementation": attention} if attention else {}
+    tokens_per_step = grad_accum * device_batch_size * world * max_seq_len
+    optimizer = setup_optimizer(model_dim=model_dim, depth=depth, num_iterations=1000,
+                                total_batch_size=tokens_per_step, mesh=mesh)
+    state = init_train_state(config, optimizer, mesh, fsdp=fsdp, **model_kwargs)
+    rng = np.random.default_rng(0)
+    shape = (grad_accum, device_batch_size * world, max_seq_len)
+    spec = batch_sharding(mesh)
+    inputs = put_batch(rng.integers(0, vocab_size, shape, dtype=np.int32), spec)
+    targets = put_batch(rng.integers(0, vocab_size, shape, dtype=np.int32), spec)
+
+    # the whole train step, compiled once, as scripts.train runs it
+    start = time.perf_counter()
+    step = make_train_step(state, optimizer, mesh).lower(state.params, state.opt_state, inputs, targets).compile()
+    compile_s = time.perf_counter() - start
+    params, opt_state = state.params, state.opt_state
+    params, opt_state, metrics = step(params, opt_state, inputs, targets)  # warm-up
+    jax.block_until_ready(metrics)
+    start = time.perf_counter()
+    for _ in range(steps):
+        params, opt_state, metrics = step(params, opt_state, inputs, targets)
+    jax.block_until_ready((params, opt_state, metrics))
+    step_s = (time.perf_counter() - start) / steps
+
+    # forward+backward of one micro-batch alone, and one optimizer update alone
+    graphdef = state.graphdef
+
+    def loss_fn(p, x, y):
+        return nnx.merge(graphdef, p)(x, y)
+
+    fwd_bwd = jax.jit(jax.value_and_grad(loss_fn)).lower(params, inputs[0], targets[0]).compile()
+    fwd_bwd_s = timed(fwd_bwd, params, inputs[0], targets[0], repeats=steps)
+    _, grads = fwd_bwd(params, inputs[0], targets[0])
+    update = jax.jit(optimizer.update).lower(grads, opt_state, params).compile()
+    update_s = timed(update, grads, opt_state, params, repeats=steps)
+
+    flops_per_token = estimate_flops(config)
+    tok_per_s = tokens_per_step / step_s
+    model_flops_per_s = flops_per_token * tok_per_s
+    device = mesh.devices.flat[0]
+    peak = peak_flops_per_device(device)
+    peak_kind = "bf16 peak"
+    if peak is None and device.platform == "cpu":
+        peak, peak_kind = cpu_matmul_flops_per_s(), "f32 matmul"
+    micro_tokens = device_batch_size * world * max_seq_len
+    memory, memory_kind = peak_memory_bytes(jax.local_devices())
+    return {
+        "config": f"d{depth} T{max_seq_len} B{device_batch_size}x{world}x{grad_accum} V{vocab_size} {window_pattern}"
+                  + (" fsdp" if fsdp else ""),
+        "params": sum(x.size for x in jax.tree.leaves(params)),
+        "device": f"{world}x {device.device_kind}",
+        "compile_s": compile_s,
+        "step_ms": 1e3 * step_s,
+        "fwd_bwd_ms": 1e3 * fwd_bwd_s,
+        "update_ms": 1e3 * update_s,
+        "update_share": update_s / step_s,
+        "tok_per_s": tok_per_s,
+        "model_tflops": model_flops_per_s / 1e12,
+        "mfu": model_flops_per_s / (peak * world) if peak else None,
+        "mfu_against": peak_kind if peak else None,
+        "xla_over_estimate": xla_flops(fwd_bwd) * world / (flops_per_token * micro_tokens),
+        "peak_memory_gib": memory / 2**30,
+        "memory_kind": memory_kind,
+    }
+
+
+def bench_loader(tokenizer, data_dir: str | None = None, *, seq_len: int = 2048, batch_size: int = 32,
+                 grad_accum: int = 1, workers: int = 1, prefetch: int = 2, buffer_docs: int = 1000,
+                 batches: int = 20, warmup: int = 2) -> dict:
+    """Times `batches` batches after `warmup` (the first fills the document buffer). The loader runs
+    flat out, so the rate is the producer's. cpu_cores is the process's CPU time over the wall time.
+
+    Reading and tokenising is nearly all the work, so the CPU cost is counted per token read. The
+    share cropped depends on the corpus (and on a small corpus, on how full of long documents the
+    buffer has silted), so cores_for_target plans with FineWeb's: the cores to deliver
+    TARGET_TOKENS_PER_S when FINEWEB_CROPPED_FRACTION of the tokens read are cropped away."""
+    loader = make_train_loader(tokenizer, batch_size, seq_len, grad_accum, 0, 1, data_dir=data_dir,
+                               buffer_docs=buffer_docs, workers=workers, prefetch=prefetch)
+    start = time.perf_counter()
+    next(loader)
+    first_batch_s = time.perf_counter() - start
+    for _ in range(warmup - 1):
+        next(loader)
+    before = loader.get_state()
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(batches):
+        inputs, _ = next(loader)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    state = loader.get_state()
+    loader.close()
+
+    # Restore cost: re-reading and re-tokenising the buffered documents, up to the next batch.
+    resumed = make_train_loader(tokenizer, batch_size, seq_len, grad_accum, 0, 1, data_dir=data_dir,
+                                buffer_docs=buffer_docs, workers=workers, prefetch=prefetch)
+    restore_start = time.perf_counter()
+    resumed.set_state(json.loads(json.dumps(state)))
+    next(resumed)
+    restore_s = time.perf_counter() - restore_start
+    resumed.close()
+
+    tokens = batches * inputs.size
+    read = state["tokens_read"] - before["tokens_read"]
+    packed = state["tokens_packed"] - before["tokens_packed"]
+    cropped = state["tokens_cropped"] - before["tokens_cropped"]
+    cpu_per_read_token = cpu / read
+    return {
+        "seq_len": seq_len, "batch_size": batch_size, "grad_accum": grad_accum, "workers": workers,
+        "tokens_per_s": tokens / wall,
+        "read_per_s": read / wall,
+        "cropped_fraction": cropped / (packed + cropped),
+        "cpu_cores": cpu / wall,
+        "cpu_us_per_read_token": 1e6 * cpu_per_read_token,
+        "cores_for_target": TARGET_TOKENS_PER_S / (1 - FINEWEB_CROPPED_FRACTION) * cpu_per_read_token,
+        "first_batch_s": first_batch_s,
+        "state_bytes": len(json.dumps(state, indent=4)),  # as grain's checkpoint handler writes it
+        "buffered_row_groups": len(state["buffer"].split()),
+        "restore_s": restore_s,
+        "epoch": state["epoch"],
+    }
+
+
+TRAIN_COLUMNS = [("config", "{}"), ("params", "{:,d}"), ("device", "{}"), ("compile_s", "{:.1f}"),
+                 ("step_ms", "{:.1f}"), ("fwd_bwd_ms", "{:.1f}"), ("update_ms", "{:.1f}"), ("update_share", "{:.1%}"),
+                 ("tok_per_s", "{:,.0f}"), ("model_tflops", "{:.4f}"), ("mfu", "{:.1%}"), ("mfu_against", "{}"),
+                 ("xla_over_estimate", "{:.2f}"), ("peak_memory_gib", "{:.2f}"), ("memory_kind", "{}")]
+LOADER_COLUMNS = [("workers", "{:d}"), ("tokens_per_s", "{:,.0f}"), ("read_per_s", "{:,.0f}"),
+                  ("cropped_fraction", "{:.1%}"), ("cpu_cores", "{:.2f}"), ("cpu_us_per_read_token", "{:.2f}"),
+                  ("cores_for_target", "{:.1f}"), ("first_batch_s", "{:.2f}"), ("state_bytes", "{:,d}"),
+                  ("buffered_row_groups", "{:d}"), ("restore_s", "{:.2f}"), ("epoch", "{:d}")]
+
+
+def main_train(args: argparse.Namespace) -> list[dict]:
+    results = []
+    for pattern in args.window_pattern:
+        for depth in args.depth:
+            results.append(bench_train(
+                depth=depth, aspect_ratio=args.aspect_ratio, head_dim=args.head_dim, max_seq_len=args.max_seq_len,
+                device_batch_size=args.device_batch_size, grad_accum=args.grad_accum, vocab_size=args.vocab_size,
+                window_pattern=pattern, num_devices=args.num_devices, fsdp=args.fsdp, steps=args.steps,
+                attention=args.attention))
+            print(f"... {results[-1]['config']}: {results[-1]['step_ms']:.1f} ms/step", flush=True)
+    print_table(results, TRAIN_COLUMNS)
+    print("update_share: one optimizer update alone over the whole step. xla_over_estimate: XLA's FLOPs of "
+          "forward+backward over estimate_flops x tokens. mfu: model FLOP/s (estimate_flops) over the peak.")
+    return results
+
+
+def main_loader(args: argparse.Namespace) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.builtin:
+            documents = dataset.builtin_documents()
+            paths = dataset.write_shards(lambda: documents, tmp, chars_per_shard=250_000, docs_per_row_group=16,
+                                         source="builtin")
+            train_texts = (text for path, row_group in dataset.list_row_groups("train", tmp)
+                           for text in dataset.read_row_group(path, row_group))
+            start = time.perf_counter()
+            tokenizer = Tokenizer.train_from_iterator(train_texts, args.vocab_size)
+            print(f"built-in corpus: {len(documents)} documents in {len(paths)} shards; tokenizer of "
+                  f"{tokenizer.get_vocab_size()} tokens trained in {time.perf_counter() - start:.1f}s")
+            data_dir = tmp
+        else:
+            tokenizer, data_dir = get_tokenizer(args.tokenizer_dir), args.data_dir
+        print(f"T={args.seq_len}, batch {args.grad_accum} x {args.batch_size} rows, buffer {args.buffer_docs} docs, "
+              f"{args.batches} batches per setting, 1 process")
+        results = [bench_loader(tokenizer, data_dir, seq_len=args.seq_len, batch_size=args.batch_size,
+                                grad_accum=args.grad_accum, workers=workers, buffer_docs=args.buffer_docs,
+                                batches=args.batches) for workers in args.workers]
+    print_table(results, LOADER_COLUMNS)
+    print(f"tokens_per_s: delivered in batches; read_per_s: read and tokenised. cores_for_target: CPU cores to "
+          f"deliver {TARGET_TOKENS_PER_S:,.0f} tokens/s (d20 on 8 H100s, per host) at the measured CPU cost per token "
+          f"read, with {FINEWEB_CROPPED_FRACTION:.0%} of tokens read cropped away (FineWeb at T=2048)")
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    sub = parser.add_subparsers(dest="what", required=True)
+    train = sub.add_parser("train", help="the train step")
+    train.add_argument("--depth", type=int, nargs="+", default=[4])
+    train.add_argument("--aspect-ratio", type=int, default=64)
+    train.add_argument("--head-dim", type=int, default=128)
+    train.add_argument("--max-seq-len", type=int, default=512)
+    train.add_argument("--device-batch-size", type=int, default=4)
+    train.add_argument("--grad-accum", type=int, default=1)
+    train.add_argument("--vocab-size", type=int, default=8192)
+    train.add_argument("--window-pattern", nargs="+", default=["SSSL"], help="one row per pattern (e.g. SSSL L)")
+    train.add_argument("--num-devices", type=int, default=-1)
+    train.add_argument("--fsdp", action="store_true")
+    train.add_argument("--attention", choices=["cudnn", "xla"], default=None)
+    train.add_argument("--steps", type=int, default=10, help="timed steps after one warm-up step")
+    loader = sub.add_parser("loader", help="the data loader")
+    loader.add_argument("--builtin", action="store_true", help="bench on the built-in corpus with a tokenizer "
+                        "trained on it (--vocab-size), all in a temporary directory")
+    loader.add_argument("--vocab-size", type=int, default=8192, help="with --builtin (default 8192)")
+    loader.add_argument("--data-dir", default=None, help="shards (default: <base_dir>/base_data)")
+    loader.add_argument("--tokenizer-dir", default=None, help="tokenizer (default: <base_dir>/tokenizer)")
+    loader.add_argument("--seq-len", type=int, default=2048)
+    loader.add_argument("--batch-size", type=int, default=32, help="rows per micro-step on this process")
+    loader.add_argument("--grad-accum", type=int, default=1)
+    loader.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="tokeniser threads to try")
+    loader.add_argument("--buffer-docs", type=int, default=1000)
+    loader.add_argument("--batches", type=int, default=20, help="timed batches per setting")
+    args = parser.parse_args(argv)
+    quiet_jax_warnings()
+    print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}")
+    results = main_train(args) if args.what == "train" else main_loader(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"jax": jax.__version__, "device": jax.devices()[0].device_kind, "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
