@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 
-from jaxchat.checkpoint import parse_resume_step
+from jaxchat.checkpoint import LATEST, parse_resume_step
 
 # -----------------------------------------------------------------------------
 # CLI arguments (before JAX: --device-type decides which backend starts)
@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup-ratio", type=float, default=0.0, help="ratio of iterations for LR warmup")
     parser.add_argument("--warmdown-ratio", type=float, default=0.4, help="ratio of iterations for LR warmdown")
     parser.add_argument("--final-lr-frac", type=float, default=0.0, help="final LR as fraction of initial LR")
-    parser.add_argument("--resume-from-step", type=parse_resume_step, default=-1, help="resume training from this step (-1 = disable, 'latest' = newest complete checkpoint)")
+    parser.add_argument("--resume-from-step", type=parse_resume_step, default=-1, help="resume training from this step (-1 = disable, 'latest' = newest complete checkpoint, or a fresh start if there is none)")
     # Evaluation
     parser.add_argument("--eval-every", type=int, default=250, help="evaluate val bpb every N steps (-1 = disable)")
     parser.add_argument("--eval-tokens", type=int, default=20 * 524288, help="number of tokens to evaluate val loss on")
@@ -248,6 +248,10 @@ def main(argv: list[str] | None = None) -> None:
     except CheckpointError as e:
         fail(str(e))
     checkpointer = Checkpointer(run_checkpoint_dir, max_to_keep=None if args.keep_checkpoints < 1 else args.keep_checkpoints)
+    if args.resume_from_step == LATEST and not checkpointer.all_steps():
+        # a requeued job's first start: 'latest' with nothing saved yet means a fresh run
+        print0(f"No checkpoint in {run_checkpoint_dir} yet: starting from scratch")
+        resuming = False
 
     # -----------------------------------------------------------------------------
     # Data: this process's share, (grad_accum, rows of its devices, T) per step

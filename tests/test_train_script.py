@@ -36,9 +36,10 @@ def train(base_dir, *flags, timeout=300) -> subprocess.CompletedProcess:
 
 
 def test_short_run_learns_evaluates_and_samples(base_dir):
-    result = train(base_dir, *RUN)
+    result = train(base_dir, *RUN, "--resume-from-step=latest")  # as a requeued job's first start
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
+    assert "yet: starting from scratch" in out
     losses = [float(m) for m in re.findall(r"^step \d+/00030 .*?\| loss: ([\d.]+) \|", out, re.M)]
     assert len(losses) == 30
     assert losses[-1] < losses[0] - 1.0, (losses[0], losses[-1])
