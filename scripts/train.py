@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     import jax
     import numpy as np
     import wandb
+    from flax import nnx
 
     from jaxchat.checkpoint import CheckpointError, Checkpointer, check_writable, checkpoint_dir, tokenizer_info, tree_nbytes
     from jaxchat.common import DummyWandb, get_base_dir, is_master, peak_flops_per_device, print0, quiet_jax_warnings
@@ -206,7 +207,8 @@ def main(argv: list[str] | None = None) -> None:
                                window_pattern=args.window_pattern)
     model_config = GPTConfig(**model_config_kwargs)
     model_kwargs = {} if args.attention == "auto" else {"attention_implementation": args.attention}
-    num_params = abstract_model(model_config, **model_kwargs).num_scaling_params()
+    model_shapes = abstract_model(model_config, **model_kwargs)  # ShapeDtypeStructs only: nothing allocated
+    num_params = model_shapes.num_scaling_params()
     num_scaling_params = num_params
     print0(f"Number of parameters: {num_params:,} (scaling: {num_scaling_params:,})")
     num_flops_per_token = estimate_flops(model_config)
@@ -232,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     print0(f"Total training FLOPs estimate: {num_flops_per_token * total_tokens:e}")
 
     optimizer = setup_optimizer(
+        nnx.state(model_shapes, nnx.Param),  # every parameter must land in a group: checked now
         model_dim=model_dim, depth=num_layers, num_iterations=num_iterations, total_batch_size=args.total_batch_size,
         unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr, matrix_lr=args.matrix_lr,
         scalar_lr=args.scalar_lr, weight_decay=args.weight_decay, adam_betas=(args.adam_beta1, args.adam_beta2),
