@@ -3,7 +3,7 @@
 Prompts, few-shot draws, shuffling, cropping and the scoring rules follow nanochat's core_eval example
 for example, so the numbers compare with nanochat's. What differs is how the model runs: nanochat
 forwards one example at a time; here the scored rows (one per choice) of many examples are padded to
-a few bucket lengths (powers of two) and go through one jitted function in large batches sharded over
+a few bucket lengths (powers of two and midpoints) and go through one jitted function in large batches sharded over
 every device, so the model compiles once per bucket rather than once per example shape.
 
 Task types (each row is BOS + prompt; the "continuation" is the scored span of the row):
@@ -42,7 +42,7 @@ from jaxchat.loss_eval import params_mesh
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
-MIN_BUCKET = 64  # shortest padded row length; buckets double from here up to the model's limit
+MIN_BUCKET = 64  # shortest padded row length; buckets grow from here up to the model's limit
 FEWSHOT_SEED = 1234  # few-shot examples of item idx come from random.Random(1234 + idx)
 SHUFFLE_SEED = 1337  # task data is shuffled with random.Random(1337) before cropping to max_per_task
 
@@ -88,8 +88,8 @@ def _fetch(url: str, path: str, bundle_dir: str) -> None:
                 f.write(chunk)
     except (urllib.error.URLError, OSError) as e:
         raise RuntimeError(
-            f"could not download the CORE eval bundle from {url} ({e}). Without internet access, fetch "
-            f"eval_bundle.zip on another machine and unzip it so that {bundle_dir}/core.yaml exists."
+            f"could not download the CORE eval bundle from {url} ({e}). Without internet access, fetch that "
+            f"file on another machine and unzip it into {os.path.dirname(bundle_dir)}, so that {bundle_dir}/core.yaml exists."
         ) from e
 
 
@@ -270,8 +270,11 @@ def centered_score(accuracy: float, random_baseline: float) -> float:
 # Scoring on device
 
 def bucket_length(n: int, max_len: int) -> int:
-    """The padded length of a row of n tokens: a power of two, at least MIN_BUCKET, at most max_len."""
-    return min(max(MIN_BUCKET, 1 << (n - 1).bit_length()), max_len)
+    """The padded length of a row of n tokens, at most max_len: the smallest of 64, 96, 128, 192, 256,
+    384, ... (powers of two and the midpoints 1.5x between them) that holds it. Twice the buckets of
+    powers of two alone, but at most a third of a batch is padding instead of half."""
+    power = max(MIN_BUCKET, 1 << (n - 1).bit_length())
+    return min(power * 3 // 4 if n <= power * 3 // 4 and power > MIN_BUCKET else power, max_len)
 
 
 @partial(jax.jit, static_argnums=(0, 1))

@@ -20,6 +20,17 @@ from jaxchat.gpt import ROTARY_LENGTH_FACTOR
 MIN_PREFILL = 16  # the shortest padded prompt
 MIN_CACHE = 64  # the shortest cache
 
+# What nanochat's base_train / base_loss show, greedily and 16 tokens long, to eyeball a base model.
+SAMPLE_PROMPTS = [
+    "The capital of France is",
+    "The chemical symbol of gold is",
+    "If yesterday was Friday, then tomorrow will be",
+    "The opposite of hot is",
+    "The planets of the solar system are:",
+    "My favorite color is",
+    "If 5*x + 3 = 13, then x is",
+]
+
 
 def _power_of_two_at_least(n: int, minimum: int) -> int:
     return max(minimum, 1 << (n - 1).bit_length())
@@ -64,7 +75,8 @@ def _decode_step(graphdef, state, cache, top_k, tokens, temperature, key):
 
 class Engine:
     """Generation for a model with init_cache/decode (jaxchat's GPT). The tokenizer names the stop
-    tokens: a row ends when it samples BOS or <|assistant_end|> (or any of stop_tokens, if given)."""
+    tokens: a row ends when it samples BOS or <|assistant_end|> (or any of stop_tokens, if given).
+    With several processes, run it on all of them (the parameters span their devices) and print on one."""
 
     def __init__(self, model: nnx.Module, tokenizer, stop_tokens: set[int] | None = None):
         self.graphdef, self.state = nnx.split(model)

@@ -366,7 +366,7 @@ def test_download_offline_says_what_to_do(tmp_path):
     port = server.server_address[1]
     server.shutdown()
     server.server_close()  # nothing listens on the port now
-    with pytest.raises(RuntimeError, match="unzip it so that .*eval_bundle/core.yaml exists"):
+    with pytest.raises(RuntimeError, match="unzip it into .*base, so that .*base/eval_bundle/core.yaml exists"):
         download_eval_bundle(str(tmp_path / "base"), f"http://127.0.0.1:{port}/eval_bundle.zip")
     assert not os.path.exists(tmp_path / "base" / "eval_bundle")
 

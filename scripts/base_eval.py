@@ -1,0 +1,90 @@
+"""Evaluate a base model checkpoint on CORE (DCLM's 22 in-context tasks; SPEC §9).
+
+    python -m scripts.base_eval                              # the deepest model, its newest step
+    python -m scripts.base_eval --model-tag d12 --step 5000 --max-per-task 100
+
+Prints each task's accuracy and centered score and the CORE metric, writes them to
+<base_dir>/base_eval/<model_tag>_<step>.csv and adds a section to the report. The eval bundle is
+downloaded to <base_dir>/eval_bundle on first use. Multi-host: start it on every host as the train
+script (the batches span all devices).
+"""
+
+import argparse
+import csv
+import os
+
+from scripts.train import fail, select_platform
+
+
+def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-tag", type=str, default=None,
+                        help="checkpoint directory under <base_dir>/base_checkpoints (default: the deepest d<N>)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest complete one)")
+    parser.add_argument("--device-type", type=str, default="", help="cuda|cpu (empty = autodetect)")
+
+
+def load_checkpoint(args: argparse.Namespace):
+    """Start JAX as the flags say and load (model, tokenizer, meta, model_tag), or exit saying what is missing."""
+    from jaxchat.mesh import maybe_initialize_distributed
+
+    maybe_initialize_distributed()  # before anything touches a device
+    select_platform(args.device_type)
+
+    from jaxchat.checkpoint import CHECKPOINTS_SUBDIR, CheckpointError, find_model_tag, load_model
+    from jaxchat.common import get_base_dir, quiet_jax_warnings
+    from jaxchat.tokenizer import get_tokenizer
+
+    quiet_jax_warnings()
+    try:
+        tokenizer = get_tokenizer()
+        model_tag = args.model_tag or find_model_tag(os.path.join(get_base_dir(), CHECKPOINTS_SUBDIR))
+        model, meta = load_model(model_tag, args.step, tokenizer=tokenizer)
+    except (FileNotFoundError, CheckpointError) as e:
+        fail(str(e))
+    return model, tokenizer, meta, model_tag
+
+
+def write_results_csv(path: str, results: dict, centered_results: dict, core_metric: float) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["Task", "Accuracy", "Centered"])
+        for label, accuracy in results.items():
+            writer.writerow([label, f"{accuracy:.6f}", f"{centered_results[label]:.6f}"])
+        writer.writerow(["CORE", "", f"{core_metric:.6f}"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Evaluate the CORE metric of a base model checkpoint")
+    add_checkpoint_args(parser)
+    parser.add_argument("--max-per-task", type=int, default=-1, help="examples per task (-1 = all)")
+    parser.add_argument("--tokens-per-device", type=int, default=8192,
+                        help="batch size in padded tokens per device (lower it if memory runs out)")
+    args = parser.parse_args(argv)
+    model, tokenizer, meta, model_tag = load_checkpoint(args)
+
+    from jaxchat.common import get_base_dir, is_master, print0
+    from jaxchat.core_eval import evaluate_core
+    from jaxchat.report import get_report
+
+    try:
+        out = evaluate_core(model, tokenizer, max_per_task=args.max_per_task, tokens_per_device=args.tokens_per_device)
+    except RuntimeError as e:  # the bundle could not be downloaded
+        fail(str(e))
+    results, centered, core_metric = out["results"], out["centered_results"], out["core_metric"]
+    print0("=" * 64)
+    print0(f"Model: {model_tag} step {meta['step']}")
+    print0(f"{'Task':<35} {'Accuracy':>10} {'Centered':>10}")
+    for label, accuracy in results.items():
+        print0(f"{label:<35} {accuracy:>10.4f} {centered[label]:>10.4f}")
+    print0(f"CORE metric: {core_metric:.4f}")
+    if is_master():
+        path = os.path.join(get_base_dir(), "base_eval", f"{model_tag}_{meta['step']:06d}.csv")
+        write_results_csv(path, results, centered, core_metric)
+        print0(f"Results written to {path}")
+        get_report().log(section="Base model evaluation", data=[
+            {"Model": f"{model_tag} step {meta['step']}", "CORE metric": core_metric}, centered])
+
+
+if __name__ == "__main__":
+    main()
