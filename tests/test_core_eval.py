@@ -268,14 +268,15 @@ def test_core_matches_hand_computation(bundle_dir, tokenizer, max_len, max_per_t
         assert any(len(r) == 40 for rows, _, _ in examples["lm_task"] for r in rows)
 
 
-@pytest.mark.parametrize("max_len", [512, 40])
-def test_rows_and_scores_per_example_match_the_reference(bundle_dir, tokenizer, max_len):
+@pytest.mark.parametrize("max_len, midpoint_buckets", [(512, False), (512, True), (40, False)])
+def test_rows_and_scores_per_example_match_the_reference(bundle_dir, tokenizer, max_len, midpoint_buckets):
     """Finer than accuracies: the exact token rows and spans of every example, and every row's mean
     continuation loss and exact-prediction flag."""
     examples = {label: reference_examples(task_type, items, shots, delimiter or " ", tokenizer, max_len, -1)
                 for label, task_type, items, shots, delimiter, _ in TASKS}
     model, table, position_bias = make_bigram(tokenizer.get_vocab_size(), 512, examples["lm_task"])
-    scorer = core_eval.RowScorer(model, tokenizer.get_bos_token_id(), max_len, tokens_per_device=64)
+    scorer = core_eval.RowScorer(model, tokenizer.get_bos_token_id(), max_len, tokens_per_device=64,
+                                 midpoint_buckets=midpoint_buckets)
     for task in load_core_tasks(bundle_dir):
         encoded = core_eval.encode_task(task, tokenizer, max_len)
         assert [(ex.rows, list(zip(ex.starts, ex.ends))) for ex in encoded] == \
@@ -290,6 +291,13 @@ def test_rows_and_scores_per_example_match_the_reference(bundle_dir, tokenizer, 
             np.testing.assert_allclose(row_losses, expected, rtol=1e-5, atol=1e-5)
             first_logits = table[rows[0][spans[0][0] - 1: spans[0][1] - 1]] + position_bias[spans[0][0] - 1: spans[0][1] - 1]
             assert row_predicted == bool(np.all(first_logits.argmax(axis=1) == rows[0][spans[0][0]: spans[0][1]]))
+
+
+def test_bucket_lengths():
+    lengths = [1, 64, 65, 96, 97, 128, 129, 300, 700, 1000]
+    assert [core_eval.bucket_length(n, 1000) for n in lengths] == [64, 64, 128, 128, 128, 128, 256, 512, 1000, 1000]
+    assert [core_eval.bucket_length(n, 1000, midpoints=True) for n in lengths] == \
+        [64, 64, 96, 96, 128, 128, 192, 384, 768, 1000]
 
 
 def test_rows_too_long_for_their_continuation_are_an_error(bundle_dir, tokenizer):
@@ -311,7 +319,7 @@ def test_core_end_to_end_on_a_tiny_gpt(bundle_dir, tokenizer):
     # one compilation per bucket length for the whole run, shared by every task and by the second run
     rows = [len(r) for task in load_core_tasks(bundle_dir)
             for ex in core_eval.encode_task(task, tokenizer, 320) for r in ex.rows]
-    buckets = {core_eval.bucket_length(n, 320) for n in rows}
+    buckets = {core_eval.bucket_length(n, 320, midpoints=True) for n in rows}  # the CPU default
     assert core_eval._score_rows._cache_size() == len(buckets) >= 2
 
 
