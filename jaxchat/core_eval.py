@@ -38,7 +38,7 @@ from jinja2 import Template
 
 from jaxchat.common import get_base_dir, print0
 from jaxchat.gpt import ROTARY_LENGTH_FACTOR, cross_entropy
-from jaxchat.loss_eval import params_mesh
+from jaxchat.mesh import params_mesh
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 TASK_TYPES = ("multiple_choice", "schema", "language_modeling")

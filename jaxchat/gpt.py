@@ -137,14 +137,16 @@ class CausalSelfAttention(nnx.Module):
         y = causal_attention(q, k, v, self.window, self.implementation)
         return self.c_proj(y.reshape(B, T, C))
 
-    def decode(self, x, cos, sin, k_cache, v_cache, pos):
-        """x: (B, t, C) at absolute positions pos .. pos+t-1; returns the output and the updated cache."""
+    def decode(self, x, cos, sin, cache: "KVCache", layer: int):
+        """x: (B, t, C) at absolute positions cache.pos .. cache.pos+t-1. Writes this layer's new keys
+        and values into the stacked cache in place (no copy of the other layers) and returns both."""
         B, t, C = x.shape
         q, k, v = self._qkv(x, cos, sin)
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, pos, 0, 0))
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, pos, 0, 0))
-        y = cached_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), pos, self.window)
-        return self.c_proj(y.reshape(B, t, C)), k_cache, v_cache
+        start = (layer, 0, cache.pos, 0, 0)
+        k_all = jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), start)
+        v_all = jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), start)
+        y = cached_attention(q, k_all[layer].astype(q.dtype), v_all[layer].astype(q.dtype), cache.pos, self.window)
+        return self.c_proj(y.reshape(B, t, C)), cache.replace(k=k_all, v=v_all)
 
 
 class MLP(nnx.Module):
@@ -228,16 +230,12 @@ class GPT(nnx.Module):
         t = idx.shape[1]
         cos, sin = rotary_cos_sin(cache.pos + jnp.arange(t), self.config.head_dim)
         x = x0 = self._embed(idx)
-        ks, vs = [], []
         for i, block in enumerate(self.blocks):
             x = self._mix(i, x, x0)
-            y, k, v = block.attn.decode(rms_norm(x), cos, sin, cache.k[i], cache.v[i], cache.pos)
+            y, cache = block.attn.decode(rms_norm(x), cos, sin, cache, i)
             x = x + y
             x = x + block.mlp(rms_norm(x))
-            ks.append(k)
-            vs.append(v)
-        new_cache = KVCache(k=jnp.stack(ks), v=jnp.stack(vs), pos=cache.pos + t)
-        return self._logits(x), new_cache
+        return self._logits(x), cache.replace(pos=cache.pos + t)
 
     # ---- counting --------------------------------------------------------------------------------
     def num_scaling_params(self) -> int:

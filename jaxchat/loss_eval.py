@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxchat.mesh import batch_sharding, make_mesh, put_batch
+from jaxchat.mesh import batch_sharding, params_mesh, put_batch
 
 
 @partial(jax.jit, static_argnums=0)
@@ -28,14 +28,6 @@ def _batch_sums(graphdef, state, inputs, targets, token_bytes):
     valid = targets >= 0
     num_bytes = jnp.where(valid, token_bytes[jnp.where(valid, targets, 0)], 0)
     return jnp.where(num_bytes > 0, losses, 0.0).sum(), num_bytes.sum()
-
-
-def params_mesh(state) -> Mesh:
-    """The mesh the parameters live on, else a 'data' mesh over every device."""
-    for leaf in jax.tree.leaves(state):
-        if isinstance(getattr(leaf, "sharding", None), NamedSharding):
-            return leaf.sharding.mesh
-    return make_mesh()
 
 
 def evaluate_bpb(model: nnx.Module, batches: Iterable, steps: int, token_bytes: np.ndarray,

@@ -50,6 +50,14 @@ def make_mesh(num_devices: int | None = None, devices: list | None = None) -> Me
     return Mesh(np.array(devices), (DATA_AXIS,))
 
 
+def params_mesh(state) -> Mesh:
+    """The mesh the parameters live on, else a 'data' mesh over every device."""
+    for leaf in jax.tree.leaves(state):
+        if isinstance(getattr(leaf, "sharding", None), NamedSharding):
+            return leaf.sharding.mesh
+    return make_mesh()
+
+
 def shard_spec(shape: tuple[int, ...], axis_size: int) -> P:
     """Shard the largest dimension that the axis divides; replicate what nothing divides (scalars, odd shapes)."""
     candidates = [(size, -i) for i, size in enumerate(shape) if size % axis_size == 0 and size >= axis_size]

@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     from jaxchat.common import DummyWandb, get_base_dir, is_master, peak_flops_per_device, print0, quiet_jax_warnings
     from jaxchat.core_eval import evaluate_core
     from jaxchat.dataloader import make_train_loader, make_val_loader
-    from jaxchat.engine import Engine
+    from jaxchat.engine import SAMPLE_PROMPTS, Engine
     from jaxchat.gpt import GPTConfig, estimate_flops
     from jaxchat.loss_eval import evaluate_bpb
     from jaxchat.mesh import batch_sharding, make_mesh, put_batch
@@ -325,7 +325,16 @@ def main(argv: list[str] | None = None) -> None:
     pending = None  # the step whose metrics are not read yet: the device runs ahead of the host by one step
     last_done = time.perf_counter()
     epoch = train_loader.get_state().get("epoch", 1)
-    history = []  # (step, loss, val_bpb) for the report's curve
+    history = []  # (step, loss, val_bpb) for the report's curve, not yet in its CSV
+    if master_process and not resuming:
+        get_report().clear_curve()  # a fresh run starts a new curve; a resumed one continues it
+
+    def write_history() -> None:
+        """Append the new rows to <base_dir>/report/training_curve.csv (at evals and saves, so the
+        curve on disk always reaches the newest checkpoint and a resumed run carries it on)."""
+        if master_process:
+            get_report().append_curve(history)
+        history.clear()
 
     def log_step(s: int, metrics, dispatched_at: float, epoch: int) -> None:
         """Read step s's loss (blocks until s is done; s+1 is already queued) and print its line."""
@@ -375,6 +384,7 @@ def main(argv: list[str] | None = None) -> None:
             pending = None
 
     def save(at_step: int) -> None:
+        write_history()
         checkpointer.save(at_step, state.params, state.opt_state, train_loader, {
             "step": at_step,
             "val_bpb": val_bpb,  # loss at last step
@@ -403,6 +413,7 @@ def main(argv: list[str] | None = None) -> None:
             print0(f"Step {step:05d} | Validation bpb: {val_bpb:.6f}")
             min_val_bpb = min(min_val_bpb, val_bpb)
             history.append((step, None, val_bpb))
+            write_history()
             wandb_run.log({"step": step, "total_training_flops": flops_so_far,
                            "total_training_time": total_training_time, "val/bpb": val_bpb})
             last_done = time.perf_counter()
@@ -420,17 +431,8 @@ def main(argv: list[str] | None = None) -> None:
         # parameters stay usable on several hosts; process 0 prints)
         if args.sample_every > 0 and (last_step or (step > 0 and step % args.sample_every == 0)):
             flush()
-            prompts = [
-                "The capital of France is",
-                "The chemical symbol of gold is",
-                "If yesterday was Friday, then tomorrow will be",
-                "The opposite of hot is",
-                "The planets of the solar system are:",
-                "My favorite color is",
-                "If 5*x + 3 = 13, then x is",
-            ]
             engine = Engine(state.model(), tokenizer)
-            for prompt in prompts:
+            for prompt in SAMPLE_PROMPTS:
                 tokens = tokenizer(prompt, prepend="<|bos|>")
                 sample, _ = engine.generate_batch(tokens, num_samples=1, max_tokens=16, temperature=0)
                 print0(tokenizer.decode(sample[0]))
@@ -466,6 +468,7 @@ def main(argv: list[str] | None = None) -> None:
         pending = (step, metrics, dispatched_at, epoch)
         step += 1
     flush()
+    write_history()
     checkpointer.wait()
     checkpointer.close()
 
@@ -498,6 +501,8 @@ def main(argv: list[str] | None = None) -> None:
                 "MFU %": f"{mfu:.2f}%" if mfu is not None else "n/a",
                 "Total training flops": f"{num_flops_per_token * args.total_batch_size * step:e}",
                 "Total training time": f"{total_training_time / 60:.2f}m",
+                # the steps after the 10th are the timed ones (as total_training_time)
+                "Average tok/sec": round(args.total_batch_size * (step - 11) / total_training_time) if step > 11 and total_training_time > 0 else "n/a",
                 "Peak memory usage": f"{peak_memory / 1024 / 1024:.2f}MiB" if peak_memory else "n/a",
             },
         ])
