@@ -373,8 +373,8 @@ def main(argv: list[str] | None = None) -> None:
                 "train/weight_decay": float(weight_decay_table[s]),
                 "train/dt": dt,
                 "train/tok_per_sec": tok_per_sec,
-                "train/mfu": mfu if mfu is not None else 0.0,
                 "train/epoch": epoch,
+                **({"train/mfu": mfu} if mfu is not None else {}),  # unknown peak (e.g. a CPU): not logged as 0
             })
 
     def flush() -> None:
