@@ -1,18 +1,56 @@
-"""The report card: each stage of a run logs a markdown section under <base_dir>/report/.
+"""The report card of a run, under <base_dir>/report/.
 
-`python -m jaxchat.report generate` assembles them into report.md; `reset` starts a new one.
+Each stage writes its own markdown section (`get_report().log(section, data)`); training also appends
+its loss and validation bpb to training_curve.csv as it goes, so a resumed run continues the curve.
+
+    python -m jaxchat.report reset       start a new report: clear the sections, write the system section
+    python -m jaxchat.report generate    assemble report.md: summary table, curve (PNG), system, stages
 """
 
 import argparse
+import csv
 import datetime
+import importlib.metadata
 import os
+import platform
 import re
+import socket
+import subprocess
+from collections.abc import Iterable
 from typing import Any
 
 from jaxchat.common import get_base_dir
 
+TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
+HEADER_FILE = "header.md"
+REPORT_FILE = "report.md"
+CURVE_CSV = "training_curve.csv"
+CURVE_PNG = "training_curve.png"
+CURVE_FIELDS = ("step", "train_loss", "val_bpb")
+# The stages in the order a run goes through them; sections with other names follow, oldest first.
+STAGE_ORDER = ["tokenizer-training", "tokenizer-evaluation", "base-model-training", "base-model-loss",
+               "base-model-evaluation"]
+# (label in the summary, section, key in that section): the figures that say how the run went.
+SUMMARY_FIGURES = [
+    ("Vocabulary size", "tokenizer-training", "Vocabulary size"),
+    ("Tokenizer bytes/token (val)", "tokenizer-evaluation", "val bytes/token"),
+    ("Parameters", "base-model-training", "Number of parameters"),
+    ("Devices", "base-model-training", "Devices"),
+    ("Training tokens", "base-model-training", "Number of training tokens"),
+    ("Tokens : params", "base-model-training", "Tokens : Params ratio"),
+    ("Training time", "base-model-training", "Total training time"),
+    ("Training tok/s", "base-model-training", "Average tok/sec"),
+    ("MFU", "base-model-training", "MFU %"),
+    ("Peak memory", "base-model-training", "Peak memory usage"),
+    ("Min val bpb (training)", "base-model-training", "Minimum validation bpb"),
+    ("Train bpb", "base-model-loss", "train bpb"),
+    ("Val bpb", "base-model-loss", "val bpb"),
+    ("CORE (training)", "base-model-training", "CORE metric estimate"),
+    ("CORE", "base-model-evaluation", "CORE metric"),
+]
 
-def _slug(section: str) -> str:
+
+def slugify(section: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", section.lower()).strip("-")
 
 
@@ -24,42 +62,236 @@ def _format_value(value: Any) -> str:
     return str(value)
 
 
+def _render_item(key: str, value: Any) -> list[str]:
+    text = _format_value(value)
+    if "\n" not in text:
+        return [f"- {key}: {text}"]
+    # multi-line text (a sample) as a fenced block under its item, so the list stays a list
+    return [f"- {key}:", "  ```", *(f"  {line}" for line in text.split("\n")), "  ```"]
+
+
+def parse_section(text: str) -> dict[str, str]:
+    """The `- key: value` lines of a section, as written by Report.log."""
+    return {m.group(1): m.group(2).strip() for m in re.finditer(r"^- ([^:\n]+): (.+)$", text, re.M)}
+
+
+# -----------------------------------------------------------------------------
+# The system section
+
+
+def _run(command: list[str], cwd: str) -> str | None:
+    try:
+        result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return result.stdout.strip() if result.returncode == 0 else None
+
+
+def git_info() -> dict[str, str]:
+    """Commit, branch and subject of the checkout this package runs from (not of the working directory)."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    commit = _run(["git", "rev-parse", "--short", "HEAD"], repo)
+    if commit is None:
+        return {"Git commit": "unknown (not running from a git checkout)"}
+    dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], repo)
+    return {
+        "Git commit": f"{commit}{' (uncommitted changes)' if dirty else ''}",
+        "Git branch": _run(["git", "rev-parse", "--abbrev-ref", "HEAD"], repo) or "unknown",
+        "Git subject": (_run(["git", "log", "-1", "--format=%s"], repo) or "")[:100],
+    }
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _host_memory_gib() -> float | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def system_info() -> dict[str, str]:
+    """What the figures of this run depend on: software, devices, host, code version."""
+    import jax
+
+    devices = jax.devices()
+    kinds = sorted({d.device_kind for d in devices})
+    limits = [(d.memory_stats() or {}).get("bytes_limit", 0) for d in jax.local_devices()]
+    memory = _host_memory_gib()
+    info = {
+        "Host": f"{socket.gethostname()} ({platform.platform()})",
+        "CPUs": f"{os.cpu_count()} logical" + (f", {memory:.1f} GiB memory" if memory else ""),
+        "Load average (1/5/15 min)": " / ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a",
+        "JAX backend": f"{jax.default_backend()}, {jax.process_count()} process(es)",
+        "Devices": f"{len(devices)} x {', '.join(kinds)}",
+        "Device memory": f"{min(limits) / 2**30:.1f} GiB each" if all(limits) and limits else "n/a",
+        "Python": platform.python_version(),
+        "Packages": ", ".join(f"{p} {_version(p)}" for p in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain")),
+    }
+    info.update(git_info())
+    info["Base directory"] = get_base_dir()
+    return info
+
+
+# -----------------------------------------------------------------------------
+
+
 class Report:
     def __init__(self, report_dir: str):
         self.report_dir = report_dir
         os.makedirs(report_dir, exist_ok=True)
 
+    def path(self, name: str) -> str:
+        return os.path.join(self.report_dir, name)
+
     def log(self, section: str, data: list[dict | str]) -> str:
-        """Write one section: a list of dicts (rendered as `- key: value` lines) and markdown strings."""
-        path = os.path.join(self.report_dir, f"{_slug(section)}.md")
-        lines = [f"## {section}", f"timestamp: {datetime.datetime.now():%Y-%m-%d %H:%M:%S}", ""]
+        """Write one section: a list of dicts (rendered as `- key: value` lines) and markdown strings.
+        A stage that runs again replaces its section."""
+        lines = [f"## {section}", f"timestamp: {datetime.datetime.now():{TIME_FORMAT}}", ""]
         for item in data:
             if isinstance(item, dict):
-                lines += [f"- {key}: {_format_value(value)}" for key, value in item.items()]
+                for key, value in item.items():
+                    lines += _render_item(key, value)
             elif item:
                 lines.append(str(item))
             lines.append("")
+        path = self.path(f"{slugify(section)}.md")
         with open(path, "w", encoding="utf-8") as f:
             f.write("\n".join(lines))
         return path
 
+    # -- the training curve --------------------------------------------------------
+
+    def append_curve(self, rows: Iterable[tuple[int, float | None, float | None]]) -> None:
+        """Append (step, train loss, val bpb) rows to training_curve.csv (None: not measured at that step)."""
+        rows = list(rows)
+        if not rows:
+            return
+        path = self.path(CURVE_CSV)
+        new_file = not os.path.exists(path)
+        with open(path, "a", newline="", encoding="utf-8") as f:
+            writer = csv.writer(f)
+            if new_file:
+                writer.writerow(CURVE_FIELDS)
+            writer.writerows([step, "" if loss is None else f"{loss:.6f}", "" if bpb is None else f"{bpb:.6f}"]
+                             for step, loss, bpb in rows)
+
+    def clear_curve(self) -> None:
+        """A fresh training run starts a new curve."""
+        for name in (CURVE_CSV, CURVE_PNG):
+            if os.path.exists(self.path(name)):
+                os.remove(self.path(name))
+
+    def read_curve(self) -> tuple[dict[int, float], dict[int, float]]:
+        """Train loss and val bpb by step. A resumed run rewrites the steps after its checkpoint, and
+        the newest row of a step wins."""
+        train, val = {}, {}
+        if not os.path.exists(self.path(CURVE_CSV)):
+            return train, val
+        with open(self.path(CURVE_CSV), newline="", encoding="utf-8") as f:
+            for row in csv.DictReader(f):
+                step = int(row["step"])
+                if row["train_loss"]:
+                    train[step] = float(row["train_loss"])
+                if row["val_bpb"]:
+                    val[step] = float(row["val_bpb"])
+        return dict(sorted(train.items())), dict(sorted(val.items()))
+
+    def plot_curve(self) -> str | None:
+        """Draw training_curve.png (train loss and val bpb against the step); None if nothing was logged."""
+        train, val = self.read_curve()
+        if not train and not val:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display needed, none opened
+        import matplotlib.pyplot as plt
+
+        fig, (ax_loss, ax_bpb) = plt.subplots(1, 2, figsize=(11, 4))
+        ax_loss.plot(list(train), list(train.values()), lw=1.2, color="tab:blue")
+        ax_loss.set(title="training loss (EMA, nats/token)", xlabel="step", ylabel="loss")
+        ax_bpb.plot(list(val), list(val.values()), marker="o", lw=1.2, color="tab:orange")
+        ax_bpb.set(title="validation bits per byte", xlabel="step", ylabel="bpb")
+        for ax in (ax_loss, ax_bpb):
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(self.path(CURVE_PNG), dpi=110)
+        plt.close(fig)
+        return self.path(CURVE_PNG)
+
+    # -- assembling ----------------------------------------------------------------
+
     def sections(self) -> list[str]:
-        names = sorted(n for n in os.listdir(self.report_dir) if n.endswith(".md") and n != "report.md")
-        return [os.path.join(self.report_dir, n) for n in names]
+        """The stage sections, in run order: known stages first, then any others oldest first."""
+        names = [n for n in os.listdir(self.report_dir) if n.endswith(".md") and n not in (HEADER_FILE, REPORT_FILE)]
+        order = {f"{slug}.md": i for i, slug in enumerate(STAGE_ORDER)}
+        names.sort(key=lambda n: (order.get(n, len(order)), os.path.getmtime(self.path(n))))
+        return [self.path(n) for n in names]
+
+    def summary(self) -> list[tuple[str, str]]:
+        """(figure, value) pairs from the sections present, in SUMMARY_FIGURES order."""
+        parsed = {}
+        for path in self.sections():
+            with open(path, encoding="utf-8") as f:
+                parsed[os.path.basename(path)[:-3]] = parse_section(f.read())
+        rows = [(label, parsed[slug][key]) for label, slug, key in SUMMARY_FIGURES
+                if key in parsed.get(slug, {}) and parsed[slug][key] not in ("None", "n/a")]
+        wall = self.wall_clock()
+        if wall:
+            rows.append(("Wall clock, reset to last stage", wall))
+        return rows
+
+    def wall_clock(self) -> str | None:
+        """Time from `reset` to the newest section, as h:mm:ss (None without a reset)."""
+        def stamp(path: str, prefix: str) -> datetime.datetime | None:
+            with open(path, encoding="utf-8") as f:
+                m = re.search(rf"^{prefix}: (.+)$", f.read(), re.M)
+            return datetime.datetime.strptime(m.group(1).strip(), TIME_FORMAT) if m else None
+
+        if not os.path.exists(self.path(HEADER_FILE)):
+            return None
+        start = stamp(self.path(HEADER_FILE), "Run started")
+        ends = [t for t in (stamp(path, "timestamp") for path in self.sections()) if t]
+        return str(max(ends) - start) if start and ends else None
 
     def generate(self) -> str:
-        path = os.path.join(self.report_dir, "report.md")
-        parts = ["# jaxchat report", f"generated: {datetime.datetime.now():%Y-%m-%d %H:%M:%S}", ""]
-        for section in sorted(self.sections(), key=os.path.getmtime):
-            with open(section, encoding="utf-8") as f:
+        """Write report.md: summary table and curve first, then the system section and each stage's."""
+        parts = ["# jaxchat report", "", f"generated: {datetime.datetime.now():{TIME_FORMAT}}", "", "## Summary", ""]
+        rows = self.summary()
+        if rows:
+            parts += ["| figure | value |", "| --- | --- |", *(f"| {label} | {value} |" for label, value in rows)]
+        else:
+            parts.append("(no stage has written its section yet)")
+        if self.plot_curve():
+            parts += ["", f"![training loss and validation bpb]({CURVE_PNG})"]
+        parts.append("")
+        if os.path.exists(self.path(HEADER_FILE)):
+            with open(self.path(HEADER_FILE), encoding="utf-8") as f:
                 parts.append(f.read())
-        with open(path, "w", encoding="utf-8") as f:
+        else:
+            parts += ["## System", "(no `python -m jaxchat.report reset` before this run: taken now)", "",
+                      *(f"- {key}: {value}" for key, value in system_info().items()), ""]
+        for path in self.sections():
+            with open(path, encoding="utf-8") as f:
+                parts.append(f.read())
+        with open(self.path(REPORT_FILE), "w", encoding="utf-8") as f:
             f.write("\n".join(parts))
-        return path
+        return self.path(REPORT_FILE)
 
     def reset(self) -> None:
-        for path in self.sections():
-            os.remove(path)
+        """Start a new report: remove every section, the curve and report.md, and write the system section."""
+        for name in os.listdir(self.report_dir):
+            if name.endswith(".md") or name in (CURVE_CSV, CURVE_PNG):
+                os.remove(self.path(name))
+        lines = ["## System", f"Run started: {datetime.datetime.now():{TIME_FORMAT}}", ""]
+        lines += [f"- {key}: {value}" for key, value in system_info().items()]
+        with open(self.path(HEADER_FILE), "w", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
 
 
 def get_report(base_dir: str | None = None) -> Report:
@@ -67,15 +299,19 @@ def get_report(base_dir: str | None = None) -> Report:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Assemble or reset the jaxchat report card")
-    parser.add_argument("command", choices=["generate", "reset"])
+    parser = argparse.ArgumentParser(description="Reset or assemble the jaxchat report card")
+    parser.add_argument("command", nargs="?", default="generate", choices=["generate", "reset"],
+                        help="reset: start a new report; generate: write report.md (default)")
     args = parser.parse_args(argv)
     report = get_report()
     if args.command == "generate":
-        print(f"Report written to {report.generate()}")
+        path = report.generate()
+        for label, value in report.summary():
+            print(f"{label:<32} {value}")
+        print(f"Report written to {path}")
     else:
         report.reset()
-        print(f"Report sections in {report.report_dir} removed")
+        print(f"New report in {report.report_dir}: system section written, earlier sections removed")
 
 
 if __name__ == "__main__":

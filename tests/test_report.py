@@ -1,0 +1,180 @@
+"""The report card: sections as the stages write them, the summary table pulled from them, the training
+curve (CSV that survives a resume, PNG drawn from it), the system section, and the command line."""
+
+import csv
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import matplotlib.image
+import numpy as np
+import pytest
+
+from jaxchat import dataset, report
+from jaxchat.tokenizer import Tokenizer
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def summary_table(markdown: str) -> dict[str, str]:
+    """The rows of report.md's summary table."""
+    summary = markdown.split("## Summary", 1)[1].split("\n## ", 1)[0]
+    return {m.group(1): m.group(2) for m in re.finditer(r"^\| (.+?) \| (.+?) \|$", summary, re.M)
+            if m.group(1) not in ("figure", "---")}
+
+
+def log_stages(r: report.Report) -> None:
+    """Sections shaped as tok_train, scripts.train and base_loss write them, newest stage first on disk."""
+    r.log("Base model loss", [{"Model": "d4 step 120", "train bpb": 1.9876543, "val bpb": 2.0123456,
+                               "sample 0": "The capital of France is\n\nthe city"}])
+    r.log("Base model training", [
+        {"depth": 4, "total_batch_size": 4096},
+        {"Number of parameters": 7340040, "Devices": "1 x cpu"},
+        {"Minimum validation bpb": 2.04344, "CORE metric estimate": None, "MFU %": "n/a",
+         "Total training time": "4.10m", "Average tok/sec": 1998},
+    ])
+    r.log("Tokenizer training", [{"vocab_size": 8192}, {"Vocabulary size": 8192, "Training time": "1.50s"}])
+
+
+def test_sections_and_summary_carry_the_logged_values(tmp_path):
+    r = report.Report(str(tmp_path))
+    log_stages(r)
+    training = (tmp_path / "base-model-training.md").read_text()
+    assert training.startswith("## Base model training\ntimestamp: ")
+    assert "- Number of parameters: 7,340,040\n" in training and "- total_batch_size: 4,096\n" in training
+    # a multi-line value becomes a fenced block under its item, not a broken list
+    loss = (tmp_path / "base-model-loss.md").read_text()
+    assert "- sample 0:\n  ```\n  The capital of France is\n  \n  the city\n  ```" in loss
+    assert report.parse_section(loss) == {"Model": "d4 step 120", "train bpb": "1.98765", "val bpb": "2.01235"}
+
+    path = r.generate()
+    text = open(path).read()
+    assert summary_table(text) == {
+        "Vocabulary size": "8,192", "Parameters": "7,340,040", "Devices": "1 x cpu", "Training time": "4.10m",
+        "Training tok/s": "1,998", "Min val bpb (training)": "2.04344", "Train bpb": "1.98765", "Val bpb": "2.01235",
+    }  # the CORE estimate (None) and MFU (n/a) were not measured and are left out; no reset, no wall clock
+    # stages in run order, whatever order their files were written in
+    order = [text.index(f"## {name}") for name in ("Summary", "System", "Tokenizer training", "Base model training",
+                                                   "Base model loss")]
+    assert order == sorted(order)
+    assert "(no `python -m jaxchat.report reset` before this run: taken now)" in text
+    assert "training_curve.png" not in text  # nothing was logged to the curve
+
+
+def test_curve_last_row_of_a_step_wins_and_plot_shows_both_series(tmp_path):
+    r = report.Report(str(tmp_path))
+    r.append_curve([(0, None, 3.1), (0, 9.0, None), (1, 8.5, None), (2, 8.0, None), (2, None, 2.9)])
+    # a resume from step 1: steps 1 and 2 again (as an exact resume would give), then onwards
+    r.append_curve([(1, 8.5, None), (2, 8.0, None), (2, None, 2.9), (3, 7.0, None), (4, 6.5, None), (4, None, 2.5)])
+    r.append_curve([])
+    with open(tmp_path / report.CURVE_CSV, newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["step", "train_loss", "val_bpb"] and len(rows) == 1 + 11
+    assert rows[1] == ["0", "", "3.100000"]
+    train, val = r.read_curve()
+    assert train == {0: 9.0, 1: 8.5, 2: 8.0, 3: 7.0, 4: 6.5}
+    assert val == {0: 3.1, 2: 2.9, 4: 2.5}
+
+    png = r.plot_curve()
+    assert png == str(tmp_path / report.CURVE_PNG)
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    image = matplotlib.image.imread(png)[..., :3]
+    assert image.shape == (440, 1210, 3)  # 11 x 4 inches at 110 dpi
+    # both lines are drawn: pixels of matplotlib's tab:blue (loss) and tab:orange (bpb)
+    for rgb in ((0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)):
+        assert (np.abs(image * 255 - np.array(rgb)).max(axis=-1) < 8).sum() > 200, rgb
+
+    r.clear_curve()
+    assert not os.path.exists(tmp_path / report.CURVE_CSV) and not os.path.exists(png)
+    assert r.read_curve() == ({}, {}) and r.plot_curve() is None
+
+
+def test_reset_writes_the_system_section_and_clears_the_last_run(tmp_path):
+    r = report.Report(str(tmp_path))
+    log_stages(r)
+    r.append_curve([(0, 9.0, 3.0)])
+    r.generate()
+    r.reset()
+    assert sorted(os.listdir(tmp_path)) == ["header.md"]
+    header = (tmp_path / "header.md").read_text()
+    fields = report.parse_section(header)
+    assert re.search(r"^Run started: \d{4}-\d\d-\d\d \d\d:\d\d:\d\d$", header, re.M)
+    assert f"jax {jax.__version__}" in fields["Packages"]
+    assert fields["Devices"] == f"{jax.device_count()} x cpu"  # conftest's 8 virtual CPU devices
+    assert fields["JAX backend"] == "cpu, 1 process(es)"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert fields["Git commit"].split()[0] == commit.stdout.strip()
+    assert fields["Python"] == ".".join(map(str, sys.version_info[:3]))
+
+    # after a reset, the report measures the wall clock from it to the newest section
+    r.log("Base model training", [{"Number of parameters": 10}])
+    assert re.fullmatch(r"0:00:0\d", summary_table(open(r.generate()).read())["Wall clock, reset to last stage"])
+
+
+def test_command_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("JAXCHAT_BASE_DIR", str(tmp_path))
+    report.main(["reset"])
+    log_stages(report.get_report())
+    report.get_report().append_curve([(0, 9.0, 3.0), (1, 8.0, None), (2, 7.5, 2.8)])
+    report.main([])  # generate is the default
+    out = capsys.readouterr().out
+    assert re.search(r"^Val bpb +2\.01235$", out, re.M)
+    assert f"Report written to {tmp_path / 'report' / 'report.md'}" in out
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "![training loss and validation bpb](training_curve.png)" in text
+    assert os.path.getsize(tmp_path / "report" / "training_curve.png") > 0
+    with pytest.raises(SystemExit):
+        report.main(["publish"])
+
+
+# -----------------------------------------------------------------------------
+# scripts.train writes the curve: a fresh run starts it anew, a resumed run carries it on
+
+TRAIN_FLAGS = ["--depth=2", "--max-seq-len=64", "--device-batch-size=4", "--total-batch-size=256",
+               "--num-devices=1", "--num-iterations=12", "--eval-every=6", "--eval-tokens=256", "--save-every=6",
+               "--core-metric-every=-1", "--sample-every=-1", "--loader-workers=1", "--device-type=cpu"]
+
+
+def run_train(base_dir, *flags) -> str:
+    env = {**os.environ, "JAXCHAT_BASE_DIR": str(base_dir), "PYTHONUNBUFFERED": "1",
+           "JAX_COMPILATION_CACHE_DIR": str(base_dir / "xla_cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}  # the second run reuses the first's compilations
+    result = subprocess.run([sys.executable, "-m", "scripts.train", *TRAIN_FLAGS, *flags], cwd=REPO_ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    return result.stdout
+
+
+def printed_curve(out: str) -> tuple[dict[int, float], dict[int, float]]:
+    """Loss and val bpb by step, as the run printed them."""
+    train = {int(s): float(x) for s, x in re.findall(r"^step (\d+)/\d+ .*?\| loss: ([\d.]+) \|", out, re.M)}
+    val = {int(s): float(x) for s, x in re.findall(r"^Step (\d+) \| Validation bpb: ([\d.]+)$", out, re.M)}
+    return train, val
+
+
+def test_training_curve_survives_a_resume(tmp_path):
+    documents = dataset.builtin_documents()[:200]
+    dataset.write_shards(lambda: documents, str(tmp_path / "base_data"), chars_per_shard=100_000, docs_per_row_group=8)
+    Tokenizer.train_from_iterator(iter(documents), vocab_size=512).save(str(tmp_path / "tokenizer"))
+    r = report.get_report(str(tmp_path))
+    r.append_curve([(500, 1.0, 1.0)])  # a previous run's curve: a fresh run must start anew
+
+    first = printed_curve(run_train(tmp_path))
+    assert sorted(first[0]) == list(range(12)) and sorted(first[1]) == [0, 6, 12]
+    curve = r.read_curve()
+    for logged, printed in zip(curve, first):
+        assert logged.keys() == printed.keys()
+        np.testing.assert_allclose(list(logged.values()), list(printed.values()), atol=1e-6)
+    with open(tmp_path / "report" / report.CURVE_CSV) as f:
+        rows_before = f.read().splitlines()
+
+    resumed = printed_curve(run_train(tmp_path, "--resume-from-step=6"))
+    assert sorted(resumed[0]) == list(range(6, 12)) and sorted(resumed[1]) == [6, 12]
+    with open(tmp_path / "report" / report.CURVE_CSV) as f:
+        rows_after = f.read().splitlines()
+    assert rows_after[:len(rows_before)] == rows_before  # appended to, not restarted
+    assert len(rows_after) == len(rows_before) + 6 + 2
+    assert r.read_curve() == curve  # the exact resume rewrote steps 6..12 with the same values
