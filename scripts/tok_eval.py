@@ -8,6 +8,7 @@ them (they are downloaded once, so offline machines skip the comparison).
 import tiktoken
 
 from jaxchat.dataset import list_row_groups, read_row_group
+from jaxchat.report import get_report
 from jaxchat.tokenizer import get_tokenizer
 
 PROSE = """\
@@ -92,12 +93,26 @@ print(f"vocab size: {ours.get_vocab_size():,}")
 header = f"{'text':<12} {'bytes':>10}" + "".join(f" {label + ' tok':>12} {'B/tok':>6}" for label in encoders)
 print(header)
 print("-" * len(header))
+bytes_per_token = {}  # (text, encoder) -> bytes per token
+table = ["| text | bytes | " + " | ".join(f"{label} tokens | {label} B/tok" for label in encoders) + " |",
+         "| --- " * (2 + 2 * len(encoders)) + "|"]  # the same table in markdown, for the report
 for name, text in texts.items():
     num_bytes = len(text.encode("utf-8"))
     row = f"{name:<12} {num_bytes:>10,}"
-    for encode in encoders.values():
+    cells = [name, f"{num_bytes:,}"]
+    for label, encode in encoders.items():
         num_tokens = len(encode(text))
-        row += f" {num_tokens:>12,} {num_bytes / max(num_tokens, 1):>6.2f}"
+        bytes_per_token[name, label] = num_bytes / max(num_tokens, 1)
+        row += f" {num_tokens:>12,} {bytes_per_token[name, label]:>6.2f}"
+        cells += [f"{num_tokens:,}", f"{bytes_per_token[name, label]:.2f}"]
     print(row)
+    table.append("| " + " | ".join(cells) + " |")
 for note in notes:
     print(note)
+
+get_report().log(section="Tokenizer evaluation", data=[
+    {"Vocabulary size": ours.get_vocab_size(), "train bytes/token": f"{bytes_per_token['train', 'ours']:.2f}",
+     "val bytes/token": f"{bytes_per_token['val', 'ours']:.2f}"},
+    "\n".join(table),
+    "\n".join(notes),
+])
