@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# d20 on several GPU hosts under SLURM: one JAX process per node, each driving all of its node's GPUs;
+# jax.distributed starts from SLURM's variables (jaxchat.mesh.maybe_initialize_distributed), and the
+# mesh spans every GPU of every node.
+#
+#   sbatch runs/multihost_slurm.sh                   # 2 nodes x 8 GPUs, as set below
+#   sbatch --nodes=4 runs/multihost_slurm.sh
+#
+# Before the first job, once, from a login or compute node: the virtual environment, the data and the
+# tokenizer, as runs/speedrun.sh makes them (its first three sections). Everything below must be on a
+# filesystem that every node sees: this checkout with its .venv, and $JAXCHAT_BASE_DIR (shards,
+# tokenizer, checkpoints: Orbax writes one checkpoint from all processes together).
+#
+# Without SLURM: start the same command on every host with
+#   JAX_COORDINATOR_ADDRESS=<host 0>:<free port> JAX_NUM_PROCESSES=<hosts> JAX_PROCESS_ID=<0..hosts-1>
+#
+#SBATCH --job-name=jaxchat-d20
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=16
+#SBATCH --time=04:00:00
+#SBATCH --output=%x-%j.log
+#SBATCH --requeue
+#SBATCH --signal=TERM@180
+# --requeue and --signal: SLURM sends SIGTERM 3 minutes before the time limit (or on preemption); each
+# process finishes its step, the checkpoint is saved, and the requeued job's --resume-from-step=latest
+# continues from it.
+set -euo pipefail
+cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
+
+export JAXCHAT_BASE_DIR="${JAXCHAT_BASE_DIR:-$HOME/.cache/jaxchat}"
+export PYTHONUNBUFFERED=1
+WANDB_RUN="${WANDB_RUN:-dummy}"
+PYTHON="$PWD/.venv/bin/python"
+
+# nanochat's batch of 524,288 tokens = device_batch_size x 2048 x GPUs over all nodes (16 rows per GPU on 16 GPUs)
+GPUS=$((SLURM_JOB_NUM_NODES * ${SLURM_GPUS_ON_NODE:-8}))
+DEVICE_BATCH=$((524288 / 2048 / GPUS))
+if [ "$DEVICE_BATCH" -lt 1 ] || [ $((DEVICE_BATCH * 2048 * GPUS)) -ne 524288 ]; then
+    echo "524,288 tokens do not split into whole rows of 2048 over $GPUS GPUs: choose --total-batch-size to suit" >&2
+    exit 2
+fi
+echo "$SLURM_JOB_NUM_NODES nodes x ${SLURM_GPUS_ON_NODE:-8} GPUs: $DEVICE_BATCH rows of 2048 per GPU"
+
+[ -f "$JAXCHAT_BASE_DIR/report/header.md" ] || "$PYTHON" -m jaxchat.report reset
+
+# one task per node; --kill-on-bad-exit stops every process if one of them dies, instead of a hang
+TRAIN_LOG="$JAXCHAT_BASE_DIR/train-$SLURM_JOB_ID.log"
+srun --ntasks-per-node=1 --kill-on-bad-exit=1 "$PYTHON" -m scripts.train --depth=20 \
+    --device-batch-size="$DEVICE_BATCH" --save-every=500 --keep-checkpoints=2 --resume-from-step=latest \
+    --run="$WANDB_RUN" 2>&1 | tee -a "$TRAIN_LOG"
+# stopped by SIGTERM (time limit): the checkpoint is saved; queue the job again rather than evaluate a half run
+if grep -q "^Stopped by signal" "$TRAIN_LOG"; then
+    rm -f "$TRAIN_LOG"
+    scontrol requeue "$SLURM_JOB_ID" || true  # (on preemption SLURM requeues it already)
+    exit 0
+fi
+
+# evaluation runs on every node too (the batches span all devices); the report on this one
+srun --ntasks-per-node=1 --kill-on-bad-exit=1 "$PYTHON" -m scripts.base_loss --device-batch-size="$DEVICE_BATCH"
+srun --ntasks-per-node=1 --kill-on-bad-exit=1 "$PYTHON" -m scripts.base_eval
+"$PYTHON" -m jaxchat.report generate
