@@ -9,7 +9,7 @@
 # Environment:
 #   JAXCHAT_BASE_DIR     where data, tokenizer, checkpoints and the report go (default: ~/.cache/jaxchat-cpu-demo,
 #                        apart from the GPU runs' ~/.cache/jaxchat)
-#   JAXCHAT_DEMO_SIZE    small (default: d4, 120 steps, a few minutes on 2 cores) or tiny (d2, seconds: for CI)
+#   JAXCHAT_DEMO_SIZE    small (default: d4, 120 steps, under 5 minutes on 2 cores) or tiny (d2, seconds: for CI)
 #   JAXCHAT_DEMO_PYTHON  a Python that already has jaxchat installed: use it instead of making .venv (the tests)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +35,7 @@ fi
 # which for these tiny batches would shrink them 11-32x; the flags below are nanochat's defaults divided
 # by that factor, so the effective rates are the ones nanochat trains with.
 case "${JAXCHAT_DEMO_SIZE:-small}" in
-    small)  # ~2,000 tok/s on 2 idle x86 cores: 120 steps of 4,096 tokens in about 4 minutes
+    small)  # ~2,400 tok/s on 2 x86 cores: 120 steps of 4,096 tokens in about 3.5 minutes (docs/benchmarks.md)
         VOCAB_SIZE=8192; DEPTH=4; SEQ_LEN=512; DEVICE_BATCH=8; STEPS=120; EVAL_EVERY=30; EVAL_TOKENS=32768
         SAMPLE_TOKENS=48 ;;
     tiny)   # a smoke test of every stage: the model learns a little, nothing more
