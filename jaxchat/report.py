@@ -70,9 +70,11 @@ def _render_item(key: str, value: Any) -> list[str]:
     return [f"- {key}:", "  ```", *(f"  {line}" for line in text.split("\n")), "  ```"]
 
 
-def parse_section(text: str) -> dict[str, str]:
-    """The `- key: value` lines of a section, as written by Report.log."""
-    return {m.group(1): m.group(2).strip() for m in re.finditer(r"^- ([^:\n]+): (.+)$", text, re.M)}
+def find_value(section: str, key: str) -> str | None:
+    """The value of a `- key: value` line of a section as Report.log writes it (keys and values may
+    hold colons themselves, so the key is matched whole)."""
+    match = re.search(rf"^- {re.escape(key)}: (.+)$", section, re.M)
+    return match.group(1).strip() if match else None
 
 
 # -----------------------------------------------------------------------------
@@ -235,12 +237,12 @@ class Report:
 
     def summary(self) -> list[tuple[str, str]]:
         """(figure, value) pairs from the sections present, in SUMMARY_FIGURES order."""
-        parsed = {}
+        texts = {}
         for path in self.sections():
             with open(path, encoding="utf-8") as f:
-                parsed[os.path.basename(path)[:-3]] = parse_section(f.read())
-        rows = [(label, parsed[slug][key]) for label, slug, key in SUMMARY_FIGURES
-                if key in parsed.get(slug, {}) and parsed[slug][key] not in ("None", "n/a")]
+                texts[os.path.basename(path)[:-3]] = f.read()
+        values = [(label, find_value(texts.get(slug, ""), key)) for label, slug, key in SUMMARY_FIGURES]
+        rows = [(label, value) for label, value in values if value not in (None, "None", "n/a")]
         wall = self.wall_clock()
         if wall:
             rows.append(("Wall clock, reset to last stage", wall))
