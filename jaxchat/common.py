@@ -3,6 +3,9 @@ the device kind and its compute dtype, peak FLOP/s for MFU, a wandb stand-in."""
 
 import logging
 import os
+import sys
+import threading
+import time
 import warnings
 
 import jax
@@ -92,3 +95,51 @@ def quiet_jax_warnings() -> None:
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
     # Donating buffers that XLA cannot reuse (e.g. on CPU) is harmless.
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+
+
+class Progress:
+    """Progress of long work. On a terminal: permanent lines plus one status line redrawn in place.
+    In a log (not a TTY): the status as a line at most every log_interval_s seconds, so a log shows
+    rate and ETA without a line per update. Thread-safe; prints on process 0 only."""
+
+    def __init__(self, stream=None, min_interval_s: float = 0.2, log_interval_s: float = 30.0):
+        self.stream = stream or sys.stdout
+        self.live = self.stream.isatty()
+        self.interval_s = min_interval_s if self.live else log_interval_s
+        self.enabled = jax.process_index() == 0
+        self.lock = threading.Lock()
+        self.status_text = ""
+        self.last_draw = time.monotonic() if not self.live else 0.0
+
+    def _write(self, text: str) -> None:
+        if self.enabled:
+            self.stream.write(text)
+            self.stream.flush()
+
+    def status(self, text: str, force: bool = False) -> None:
+        with self.lock:
+            self.status_text = text
+            now = time.monotonic()
+            due = now - self.last_draw >= self.interval_s
+            if not (due or (force and self.live)):  # off a terminal, forced redraws would flood the log
+                return
+            self._write("\r\033[K" + text if self.live else text + "\n")
+            self.last_draw = now
+
+    def line(self, text: str) -> None:
+        with self.lock:
+            self._write("\r\033[K" + text + "\n" + self.status_text if self.live else text + "\n")
+
+    def close(self, final_line: str) -> None:
+        with self.lock:
+            self.status_text = ""
+            self._write(("\r\033[K" if self.live else "") + final_line + "\n")
+
+
+def eta_text(done: float, total: float, elapsed_s: float) -> str:
+    """'ETA 1m23s' from the average rate so far ('ETA ?' before any progress)."""
+    if done <= 0 or elapsed_s <= 0:
+        return "ETA ?"
+    remaining = max(total - done, 0) * elapsed_s / done
+    minutes, seconds = divmod(int(remaining), 60)
+    return f"ETA {minutes}m{seconds:02d}s" if minutes else f"ETA {seconds}s"

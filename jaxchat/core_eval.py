@@ -36,7 +36,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jinja2 import Template
 
-from jaxchat.common import get_base_dir, print0
+from jaxchat.common import Progress, eta_text, get_base_dir, print0
 from jaxchat.gpt import ROTARY_LENGTH_FACTOR, cross_entropy
 from jaxchat.mesh import params_mesh
 
@@ -82,10 +82,18 @@ def _bundle_complete(bundle_dir: str) -> bool:
 
 
 def _fetch(url: str, path: str, bundle_dir: str) -> None:
+    progress, start, done = Progress(), time.monotonic(), 0
     try:
         with urllib.request.urlopen(url, timeout=60) as response, open(path, "wb") as f:
+            total = int(response.headers.get("Content-Length") or 0)
             while chunk := response.read(1 << 20):
                 f.write(chunk)
+                done += len(chunk)
+                elapsed = time.monotonic() - start
+                of_total = f" of {total / 1e6:,.0f}" if total else ""
+                progress.status(f"eval bundle: {done / 1e6:,.1f}{of_total} MB at {done / 1e6 / max(elapsed, 1e-9):,.1f} MB/s"
+                                + (f" | {eta_text(done, total, elapsed)}" if total else ""))
+        progress.close(f"eval bundle: {done / 1e6:,.1f} MB downloaded in {time.monotonic() - start:.1f}s")
     except (urllib.error.URLError, OSError) as e:
         raise RuntimeError(
             f"could not download the CORE eval bundle from {url} ({e}). Without internet access, fetch that "
@@ -378,9 +386,14 @@ class RowScorer:
 def evaluate_task(scorer: RowScorer, task: CoreTask, tokenizer, progress: "Progress | None" = None) -> float:
     """Accuracy of the model on one task."""
     examples = encode_task(task, tokenizer, scorer.max_len)
-    if progress:
-        progress.start_task(task.label, sum(len(ex.rows) for ex in examples))
-    losses, predicted = scorer.score(examples, progress.update if progress else None)
+    total_rows, start = sum(len(ex.rows) for ex in examples), time.time()
+
+    def show(done: int) -> None:
+        elapsed = time.time() - start
+        progress.status(f"{task.label}: {done}/{total_rows} rows | {done / max(elapsed, 1e-9):.1f} rows/s | "
+                        f"{eta_text(done, total_rows, elapsed)}")
+
+    losses, predicted = scorer.score(examples, show if progress else None)
     golds = [item.get("gold") for item in task.data]
     correct = [is_correct(task.task_type, g, l, p) for g, l, p in zip(golds, losses, predicted)]
     return sum(correct) / len(correct)
@@ -405,35 +418,9 @@ def evaluate_core(model: nnx.Module, tokenizer, max_per_task: int = -1, bundle_d
         accuracy = evaluate_task(scorer, task, tokenizer, progress)
         results[task.label] = accuracy
         centered_results[task.label] = centered_score(accuracy, task.random_baseline)
-        progress.finish_task(f"{task.label:<35} {task.num_fewshot:>2}-shot {task.task_type:<17} | "
+        progress.line(f"{task.label:<35} {task.num_fewshot:>2}-shot {task.task_type:<17} | "
                              f"accuracy {accuracy:.4f} | centered {centered_results[task.label]:.4f} | "
                              f"{len(task.data)} examples | {time.time() - t0:.1f}s")
     core_metric = sum(centered_results.values()) / len(centered_results)
+    progress.close(f"CORE metric: {core_metric:.4f} over {len(tasks)} tasks")
     return {"results": results, "centered_results": centered_results, "core_metric": core_metric}
-
-
-class Progress:
-    """Rows scored in the current task, with rate and ETA: redrawn in place on a terminal, a line every
-    `interval` seconds otherwise (logs stay short). Process 0 only."""
-
-    def __init__(self, interval: float = 30.0):
-        self.tty = sys.stdout.isatty()
-        self.interval = interval
-        self.label, self.total, self.t0, self.last = "", 0, 0.0, 0.0
-
-    def start_task(self, label: str, total_rows: int) -> None:
-        self.label, self.total = label, total_rows
-        self.t0 = self.last = time.time()
-
-    def update(self, done: int) -> None:
-        now = time.time()
-        if not self.tty and now - self.last < self.interval:
-            return
-        self.last = now
-        rate = done / max(now - self.t0, 1e-9)
-        eta = (self.total - done) / rate if rate > 0 else float("inf")
-        line = f"{self.label}: {done}/{self.total} rows | {rate:.1f} rows/s | ETA {eta:.0f}s"
-        print0(f"\r{line}\033[K" if self.tty else line, end="" if self.tty else "\n")
-
-    def finish_task(self, summary: str) -> None:
-        print0(f"\r{summary}\033[K" if self.tty else summary)

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jaxchat.common import get_base_dir
+from jaxchat.common import Progress, eta_text, get_base_dir
 
 # FineWeb-Edu, re-shuffled by Karpathy into 1,823 shards of ~250M characters each.
 BASE_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
@@ -102,45 +102,6 @@ def read_row_group(path: str, row_group: int) -> list[str]:
         raise CorruptShardError(f"{path}: row group {row_group} is unreadable ({e}); delete the file and "
                                 f"fetch or build it again") from e
     return table.column("text").to_pylist()
-
-
-# -----------------------------------------------------------------------------------------------
-# Progress display
-
-
-class Progress:
-    """On a terminal: permanent lines plus one live status line redrawn in place. In a log file (not a
-    TTY) the status line is left out, so logs get one line per event and nothing more."""
-
-    def __init__(self, stream=None, min_interval_s: float = 0.2):
-        self.stream = stream or sys.stdout
-        self.live = self.stream.isatty()
-        self.min_interval_s = min_interval_s
-        self.lock = threading.Lock()
-        self.status_text = ""
-        self.last_draw = 0.0
-
-    def status(self, text: str, force: bool = False) -> None:
-        with self.lock:
-            self.status_text = text
-            now = time.monotonic()
-            if self.live and (force or now - self.last_draw >= self.min_interval_s):
-                self.stream.write("\r\033[K" + text)
-                self.stream.flush()
-                self.last_draw = now
-
-    def line(self, text: str) -> None:
-        with self.lock:
-            if self.live:
-                self.stream.write("\r\033[K" + text + "\n" + self.status_text)
-            else:
-                self.stream.write(text + "\n")
-            self.stream.flush()
-
-    def close(self, final_line: str) -> None:
-        with self.lock:
-            self.stream.write(("\r\033[K" if self.live else "") + final_line + "\n")
-            self.stream.flush()
 
 
 # -----------------------------------------------------------------------------------------------
@@ -226,7 +187,8 @@ def download_shards(num_files: int, data_dir: str | None = None, base_url: str |
     def show_status(force: bool = False) -> None:
         mb = tally["bytes"] / 1e6
         rate = mb / max(time.monotonic() - start, 1e-9)
-        progress.status(f"[{tally['finished']}/{count} files] {mb:,.1f} MB at {rate:,.1f} MB/s", force)
+        eta = eta_text(tally["finished"], count, time.monotonic() - start)
+        progress.status(f"[{tally['finished']}/{count} files] {mb:,.1f} MB at {rate:,.1f} MB/s | {eta}", force)
 
     def on_bytes(n: int) -> None:
         with lock:

@@ -8,7 +8,8 @@ import os
 import time
 from collections.abc import Iterator
 
-from jaxchat.dataset import Progress, list_row_groups, read_row_group
+from jaxchat.common import Progress
+from jaxchat.dataset import list_row_groups, read_row_group
 from jaxchat.report import get_report
 from jaxchat.tokenizer import SPECIAL_TOKENS, Tokenizer, default_tokenizer_dir
 
