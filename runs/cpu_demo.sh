@@ -55,7 +55,7 @@ echo "jaxchat CPU demo (${JAXCHAT_DEMO_SIZE:-small}): base dir $JAXCHAT_BASE_DIR
 # documents than the loader's 1,000-document packing buffer, which then holds copies of the same text.
 "$PYTHON" -m jaxchat.dataset --builtin --overwrite --max-doc-chars=2000
 "$PYTHON" -m scripts.tok_train --vocab-size="$VOCAB_SIZE"
-# (no scripts.tok_eval: it fetches GPT-2's and GPT-4's vocabularies to compare with)
+"$PYTHON" -m scripts.tok_eval --no-compare  # (the comparison with GPT-2/GPT-4 would download their vocabularies)
 
 # -----------------------------------------------------------------------------
 # Pretraining on the CPU, validation bpb every EVAL_EVERY steps (the report's curve); no CORE (it needs a

@@ -2,8 +2,11 @@
 text and on a few fixed kinds of text; next to GPT-2's and GPT-4's tokenizers when tiktoken can load
 them (they are downloaded once, so offline machines skip the comparison).
 
-    python -m scripts.tok_eval
+    python -m scripts.tok_eval [--no-compare]
 """
+
+import argparse
+import socket
 
 import tiktoken
 
@@ -74,10 +77,18 @@ texts = {
     "non-English": NON_ENGLISH,
 }
 
+parser = argparse.ArgumentParser(description="Compression of the trained tokenizer, in bytes per token")
+parser.add_argument("--no-compare", action="store_true",
+                    help="leave out GPT-2's and GPT-4's tokenizers (tiktoken downloads them on first use)")
+parser.add_argument("--download-timeout", type=float, default=10.0,
+                    help="seconds to wait for those downloads before skipping the comparison (default 10)")
+args = parser.parse_args()
+
 ours = get_tokenizer()
 encoders = {"ours": ours.encode}
-baselines = {"GPT-2": "gpt2", "GPT-4": "cl100k_base"}
+baselines = {} if args.no_compare else {"GPT-2": "gpt2", "GPT-4": "cl100k_base"}
 notes = []
+socket.setdefaulttimeout(args.download_timeout)  # a firewall that drops packets must not hang the script
 for label, encoding_name in baselines.items():
     try:
         encoders[label] = tiktoken.get_encoding(encoding_name).encode_ordinary
