@@ -4,6 +4,8 @@ Benchmarks that print a table (and can write JSON). Speed is measured here, neve
   python -m scripts.bench train --depth 4 --max-seq-len 512 --device-batch-size 4 --vocab-size 8192
   python -m scripts.bench train --depth 12 --window-pattern SSSL L          # one row per pattern
   python -m scripts.bench loader --builtin --vocab-size 8192
+  python -m scripts.bench checkpoint --depth 4 --vocab-size 8192
+  python -m scripts.bench decode --depth 4 --max-seq-len 512 --vocab-size 8192
 
 train: the real train step (model, Muon + AdamW, gradient accumulation, shardings) on random tokens:
 compile time, steady-state step time, tok/s, model FLOP/s (nanochat's estimate_flops per token),
@@ -12,15 +14,25 @@ peak memory, the time of forward+backward alone and of one optimizer update alon
 cost_analysis FLOPs of forward+backward against estimate_flops (how much extra work the compiled
 graph does: attention masks computed in full, norms, softmax, the loss).
 
+checkpoint: how long the train loop is blocked by an asynchronous save against a blocking one, and
+the size of a step on disk (and, by eval_shape arithmetic, the size of params + optimizer state).
+
+decode: generation speed with the KV-cache engine against re-running the full forward per token.
+
 loader: the data loader's throughput in tokens/s, the share of tokens cropped by best-fit packing,
 its CPU cost, and the size and restore time of its checkpoint state.
 """
 
 import argparse
+import dataclasses
 import json
+import os
 import resource
+import statistics
 import tempfile
 import time
+
+import grain
 
 import jax
 import jax.numpy as jnp
@@ -28,13 +40,16 @@ import numpy as np
 from flax import nnx
 
 from jaxchat import dataset
+from jaxchat.checkpoint import Checkpointer, tree_nbytes
 from jaxchat.common import peak_flops_per_device, quiet_jax_warnings
 from jaxchat.dataloader import make_train_loader
-from jaxchat.gpt import GPTConfig, estimate_flops
+from jaxchat.engine import Engine
+from jaxchat.gpt import GPT, GPTConfig, estimate_flops
 from jaxchat.mesh import batch_sharding, make_mesh, put_batch
+from jaxchat.muon import polar_express_flops
 from jaxchat.optim import setup_optimizer
 from jaxchat.tokenizer import Tokenizer, get_tokenizer
-from jaxchat.trainer import init_train_state, make_train_step
+from jaxchat.trainer import abstract_model, init_train_state, make_train_step
 from scripts.train import find_num_heads
 
 TARGET_TOKENS_PER_S = 1e6  # what a d20 run on 8 H100s consumes per host
@@ -87,10 +102,8 @@ def bench_train(*, depth: int, aspect_ratio: int = 64, head_dim: int = 128, max_
                 attention: str | None = None) -> dict:
     mesh = make_mesh(num_devices)
     world = mesh.devices.size
-    model_dim = depth * aspect_ratio
-    num_heads = find_num_heads(model_dim, head_dim)
-    config = GPTConfig(sequence_len=max_seq_len, vocab_size=vocab_size, n_layer=depth, n_head=num_heads,
-                       n_kv_head=num_heads, n_embd=model_dim, window_pattern=window_pattern)
+    config = model_config(depth, aspect_ratio, head_dim, max_seq_len, vocab_size, window_pattern)
+    model_dim = config.n_embd
     model_kwargs = {"attention_implementation": attention} if attention else {}
     tokens_per_step = grad_accum * device_batch_size * world * max_seq_len
     optimizer = setup_optimizer(model_dim=model_dim, depth=depth, num_iterations=1000,
@@ -152,6 +165,9 @@ def bench_train(*, depth: int, aspect_ratio: int = 64, head_dim: int = 128, max_
         "mfu": model_flops_per_s / (peak * world) if peak else None,
         "mfu_against": peak_kind if peak else None,
         "xla_over_estimate": xla_flops(fwd_bwd) * world / (flops_per_token * micro_tokens),
+        # Polar Express costs the same whatever the batch: against the model's FLOPs of one whole step
+        "polar_over_model": polar_express_flops(
+            [x.shape for x in jax.tree.leaves(params["blocks"])]) / (flops_per_token * tokens_per_step),
         "peak_memory_gib": memory / 2**30,
         "memory_kind": memory_kind,
     }
@@ -212,10 +228,98 @@ def bench_loader(tokenizer, data_dir: str | None = None, *, seq_len: int = 2048,
     }
 
 
+def model_config(depth: int, aspect_ratio: int = 64, head_dim: int = 128, max_seq_len: int = 2048,
+                 vocab_size: int = 65536, window_pattern: str = "SSSL") -> GPTConfig:
+    """The GPT that scripts.train builds for these flags."""
+    model_dim = depth * aspect_ratio
+    num_heads = find_num_heads(model_dim, head_dim)
+    return GPTConfig(sequence_len=max_seq_len, vocab_size=vocab_size, n_layer=depth, n_head=num_heads,
+                     n_kv_head=num_heads, n_embd=model_dim, window_pattern=window_pattern)
+
+
+def bench_checkpoint(*, depth: int, vocab_size: int, saves: int = 5, directory: str | None = None) -> list[dict]:
+    """Saves of a train state (random values, so compression cannot shrink zeros) with async and
+    blocking Orbax writes: the time save() holds the caller, and the time until the step is on disk."""
+    config = model_config(depth, vocab_size=vocab_size)
+    optimizer = setup_optimizer(model_dim=config.n_embd, depth=depth, num_iterations=100, total_batch_size=2**19)
+    state = init_train_state(config, optimizer, make_mesh())
+    keys = iter(jax.random.split(jax.random.key(0), 10_000))
+    noisy = lambda x: jax.random.normal(next(keys), x.shape, x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
+    params, opt_state = jax.tree.map(noisy, state.params), jax.tree.map(noisy, state.opt_state)
+    data_iter = grain.MapDataset.range(10**6).batch(8).to_iter_dataset().__iter__()
+    meta = {"val_bpb": None, "model_config": dataclasses.asdict(config), "user_config": {}, "device_batch_size": 1,
+            "max_seq_len": config.sequence_len, "tokenizer": None,
+            "loop_state": {"min_val_bpb": 1.0, "smooth_train_loss": 1.0, "total_training_time": 0.0}}
+    results = []
+    for async_save in (True, False):
+        with tempfile.TemporaryDirectory(dir=directory) as tmp:
+            blocked, complete = [], []
+            with Checkpointer(tmp, async_save=async_save) as checkpointer:
+                for step in range(saves + 1):  # the first save also sets Orbax up: left out
+                    start = time.perf_counter()
+                    checkpointer.save(step, params, opt_state, data_iter, meta)
+                    returned = time.perf_counter()
+                    checkpointer.wait()
+                    blocked.append(returned - start)
+                    complete.append(time.perf_counter() - start)
+            on_disk = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(os.path.join(tmp, str(saves)))
+                          for f in files)
+        results.append({"config": f"d{depth} V{vocab_size}", "save": "async" if async_save else "blocking",
+                        "blocked_ms": 1e3 * statistics.median(blocked[1:]),
+                        "complete_ms": 1e3 * statistics.median(complete[1:]),
+                        "state_mb": tree_nbytes(params, opt_state) / 1e6, "on_disk_mb": on_disk / 1e6})
+    return results
+
+
+def state_size(depth: int, vocab_size: int) -> dict:
+    """Bytes of params and optimizer state of a model, from shapes alone (nothing allocated)."""
+    config = model_config(depth, vocab_size=vocab_size)
+    _, params = nnx.split(abstract_model(config))
+    optimizer = setup_optimizer(model_dim=config.n_embd, depth=depth, num_iterations=100, total_batch_size=2**19)
+    opt_state = jax.eval_shape(optimizer.init, params)
+    return {"config": f"d{depth} V{vocab_size}", "params_gb": tree_nbytes(params) / 1e9,
+            "optimizer_gb": tree_nbytes(opt_state) / 1e9, "total_gb": tree_nbytes(params, opt_state) / 1e9}
+
+
+def bench_decode(*, depth: int, max_seq_len: int, vocab_size: int, tokens: int = 128,
+                 samples: tuple[int, ...] = (1, 8)) -> list[dict]:
+    """Greedy generation of `tokens` tokens after a short prompt: the engine (prefill once, one jitted
+    decode step per token over the KV cache) against the full forward re-run on the padded sequence
+    (one compilation) for each new token."""
+    config = model_config(depth, max_seq_len=max_seq_len, vocab_size=vocab_size)
+    model = GPT(config, rngs=nnx.Rngs(0))
+    prompt = [0] + list(range(1, 9))  # token ids only: no tokenizer needed to time the maths
+    engine = Engine(model, tokenizer=None, stop_tokens=set())  # no stop token: always `tokens` long
+    graphdef, params = nnx.split(model)
+    results = []
+    for num_samples in samples:
+        engine.generate_batch(prompt, num_samples=num_samples, max_tokens=tokens, temperature=0)  # compile
+        start = time.perf_counter()
+        engine.generate_batch(prompt, num_samples=num_samples, max_tokens=tokens, temperature=0)
+        cached_s = time.perf_counter() - start
+        full = jax.jit(lambda p, idx: nnx.merge(graphdef, p)(idx)).lower(
+            params, jnp.zeros((num_samples, max_seq_len), jnp.int32)).compile()
+        seq = np.zeros((num_samples, max_seq_len), np.int32)
+        seq[:, :len(prompt)] = prompt
+        start = time.perf_counter()
+        for n in range(len(prompt), len(prompt) + tokens):
+            seq[:, n] = np.asarray(jnp.argmax(full(params, seq)[:, n - 1], axis=-1))
+        full_s = time.perf_counter() - start
+        results.append({"config": f"d{depth} T{max_seq_len} V{vocab_size}", "samples": num_samples, "tokens": tokens,
+                        "cache_tok_per_s": num_samples * tokens / cached_s,
+                        "full_forward_tok_per_s": num_samples * tokens / full_s, "speedup": full_s / cached_s})
+    return results
+
+
 TRAIN_COLUMNS = [("config", "{}"), ("params", "{:,d}"), ("device", "{}"), ("compile_s", "{:.1f}"),
                  ("step_ms", "{:.1f}"), ("fwd_bwd_ms", "{:.1f}"), ("update_ms", "{:.1f}"), ("update_share", "{:.1%}"),
                  ("tok_per_s", "{:,.0f}"), ("model_tflops", "{:.4f}"), ("mfu", "{:.1%}"), ("mfu_against", "{}"),
-                 ("xla_over_estimate", "{:.2f}"), ("peak_memory_gib", "{:.2f}"), ("memory_kind", "{}")]
+                 ("xla_over_estimate", "{:.2f}"), ("polar_over_model", "{:.2e}"), ("peak_memory_gib", "{:.2f}"), ("memory_kind", "{}")]
+CHECKPOINT_COLUMNS = [("config", "{}"), ("save", "{}"), ("blocked_ms", "{:,.0f}"), ("complete_ms", "{:,.0f}"),
+                      ("state_mb", "{:,.1f}"), ("on_disk_mb", "{:,.1f}")]
+SIZE_COLUMNS = [("config", "{}"), ("params_gb", "{:.3f}"), ("optimizer_gb", "{:.3f}"), ("total_gb", "{:.3f}")]
+DECODE_COLUMNS = [("config", "{}"), ("samples", "{:d}"), ("tokens", "{:d}"), ("cache_tok_per_s", "{:,.1f}"),
+                  ("full_forward_tok_per_s", "{:,.1f}"), ("speedup", "{:.1f}x")]
 LOADER_COLUMNS = [("workers", "{:d}"), ("tokens_per_s", "{:,.0f}"), ("read_per_s", "{:,.0f}"),
                   ("cropped_fraction", "{:.1%}"), ("cpu_cores", "{:.2f}"), ("cpu_us_per_read_token", "{:.2f}"),
                   ("cores_for_target", "{:.1f}"), ("first_batch_s", "{:.2f}"), ("state_bytes", "{:,d}"),
@@ -234,7 +338,26 @@ def main_train(args: argparse.Namespace) -> list[dict]:
             print(f"... {results[-1]['config']}: {results[-1]['step_ms']:.1f} ms/step", flush=True)
     print_table(results, TRAIN_COLUMNS)
     print("update_share: one optimizer update alone over the whole step. xla_over_estimate: XLA's FLOPs of "
-          "forward+backward over estimate_flops x tokens. mfu: model FLOP/s (estimate_flops) over the peak.")
+          "forward+backward over estimate_flops x tokens. polar_over_model: Muon's Polar Express FLOPs over the "
+          "model's FLOPs per step. mfu: model FLOP/s (estimate_flops) over the peak.")
+    return results
+
+
+def main_checkpoint(args: argparse.Namespace) -> list[dict]:
+    results = bench_checkpoint(depth=args.depth, vocab_size=args.vocab_size, saves=args.saves, directory=args.dir)
+    print_table(results, CHECKPOINT_COLUMNS)
+    print("blocked_ms: the time save() holds the train loop (median); complete_ms: until the step is on disk.")
+    sizes = [state_size(depth, vocab) for depth, vocab in ((args.depth, args.vocab_size), (20, 65536))]
+    print_table(sizes, SIZE_COLUMNS)
+    print("params and optimizer state in bytes, from eval_shape (what a checkpoint step holds before compression)")
+    return results + sizes
+
+
+def main_decode(args: argparse.Namespace) -> list[dict]:
+    results = bench_decode(depth=args.depth, max_seq_len=args.max_seq_len, vocab_size=args.vocab_size,
+                           tokens=args.tokens, samples=tuple(args.samples))
+    print_table(results, DECODE_COLUMNS)
+    print("cache: prefill once, then one jitted decode step per token; full forward: the whole padded sequence per token")
     return results
 
 
@@ -282,6 +405,17 @@ def main(argv: list[str] | None = None) -> None:
     train.add_argument("--fsdp", action="store_true")
     train.add_argument("--attention", choices=["cudnn", "xla"], default=None)
     train.add_argument("--steps", type=int, default=10, help="timed steps after one warm-up step")
+    checkpoint = sub.add_parser("checkpoint", help="async against blocking checkpoint saves; sizes")
+    checkpoint.add_argument("--depth", type=int, default=4)
+    checkpoint.add_argument("--vocab-size", type=int, default=8192)
+    checkpoint.add_argument("--saves", type=int, default=5, help="timed saves of each kind")
+    checkpoint.add_argument("--dir", default=None, help="where to write (default: the system's temp dir)")
+    decode = sub.add_parser("decode", help="generation with the KV cache against the full forward")
+    decode.add_argument("--depth", type=int, default=4)
+    decode.add_argument("--max-seq-len", type=int, default=512)
+    decode.add_argument("--vocab-size", type=int, default=8192)
+    decode.add_argument("--tokens", type=int, default=128)
+    decode.add_argument("--samples", type=int, nargs="+", default=[1, 8])
     loader = sub.add_parser("loader", help="the data loader")
     loader.add_argument("--builtin", action="store_true", help="bench on the built-in corpus with a tokenizer "
                         "trained on it (--vocab-size), all in a temporary directory")
@@ -297,7 +431,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     quiet_jax_warnings()
     print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}")
-    results = main_train(args) if args.what == "train" else main_loader(args)
+    run = {"train": main_train, "checkpoint": main_checkpoint, "decode": main_decode, "loader": main_loader}
+    results = run[args.what](args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"jax": jax.__version__, "device": jax.devices()[0].device_kind, "results": results}, f, indent=2)
