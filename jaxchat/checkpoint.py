@@ -25,7 +25,6 @@ FSDP, with the same values (Orbax reads each target shard from the saved chunks)
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import re
 import shutil
@@ -87,11 +86,6 @@ def parse_resume_step(text: str) -> int | str:
     if step < -1:
         raise ValueError(f"--resume-from-step {step}: steps are >= 0 (or -1 to start fresh, '{LATEST}' for the newest)")
     return step
-
-
-def tree_nbytes(*trees) -> int:
-    """Bytes of every array (or ShapeDtypeStruct) in the trees: what a checkpoint of them holds."""
-    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for tree in trees for x in jax.tree.leaves(tree))
 
 
 def check_writable(directory: str, bytes_needed: int = 0) -> None:

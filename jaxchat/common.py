@@ -2,6 +2,7 @@
 the device kind and its compute dtype, peak FLOP/s for MFU, a wandb stand-in."""
 
 import logging
+import math
 import os
 import sys
 import threading
@@ -10,6 +11,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 BASE_DIR_ENV = "JAXCHAT_BASE_DIR"
 
@@ -19,6 +21,11 @@ def get_base_dir() -> str:
     base_dir = os.environ.get(BASE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "jaxchat")
     os.makedirs(base_dir, exist_ok=True)
     return base_dir
+
+
+def tree_nbytes(*trees) -> int:
+    """Bytes of every array (or ShapeDtypeStruct) in the trees: what a checkpoint of them holds."""
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for tree in trees for x in jax.tree.leaves(tree))
 
 
 def is_master() -> bool:

@@ -64,6 +64,16 @@ class GPTConfig:
         return tuple(windows)
 
 
+def find_num_heads(model_dim: int, target_head_dim: int) -> int:
+    """The divisor of model_dim whose head size is closest to target_head_dim (nanochat's search)."""
+    ideal = max(1, round(model_dim / target_head_dim))
+    for offset in range(model_dim):
+        for candidate in (ideal + offset, ideal - offset):
+            if candidate > 0 and model_dim % candidate == 0:
+                return candidate
+    return 1
+
+
 def rms_norm(x: jax.Array) -> jax.Array:
     """Parameter-free RMSNorm; eps is the machine epsilon of x's dtype (as torch's F.rms_norm)."""
     eps = jnp.finfo(x.dtype).eps

@@ -32,25 +32,19 @@ import statistics
 import tempfile
 import time
 
-import grain
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxchat import dataset
-from jaxchat.checkpoint import Checkpointer, tree_nbytes
-from jaxchat.common import peak_flops_per_device, quiet_jax_warnings
-from jaxchat.dataloader import make_train_loader
+from jaxchat.common import peak_flops_per_device, quiet_jax_warnings, tree_nbytes
 from jaxchat.engine import Engine
-from jaxchat.gpt import GPT, GPTConfig, estimate_flops
+from jaxchat.gpt import GPT, GPTConfig, estimate_flops, find_num_heads
 from jaxchat.mesh import batch_sharding, make_mesh, put_batch
 from jaxchat.muon import polar_express_flops
 from jaxchat.optim import setup_optimizer
-from jaxchat.tokenizer import Tokenizer, get_tokenizer
 from jaxchat.trainer import abstract_model, init_train_state, make_train_step
-from scripts.train import find_num_heads
 
 TARGET_TOKENS_PER_S = 1e6  # what a d20 run on 8 H100s consumes per host
 FINEWEB_CROPPED_FRACTION = 0.35  # SPEC §7, nanochat's figure at T=2048 on FineWeb-Edu
@@ -183,6 +177,8 @@ def bench_loader(tokenizer, data_dir: str | None = None, *, seq_len: int = 2048,
     share cropped depends on the corpus (and on a small corpus, on how full of long documents the
     buffer has silted), so cores_for_target plans with FineWeb's: the cores to deliver
     TARGET_TOKENS_PER_S when FINEWEB_CROPPED_FRACTION of the tokens read are cropped away."""
+    from jaxchat.dataloader import make_train_loader
+
     loader = make_train_loader(tokenizer, batch_size, seq_len, grad_accum, 0, 1, data_dir=data_dir,
                                buffer_docs=buffer_docs, workers=workers, prefetch=prefetch)
     start = time.perf_counter()
@@ -240,6 +236,10 @@ def model_config(depth: int, aspect_ratio: int = 64, head_dim: int = 128, max_se
 def bench_checkpoint(*, depth: int, vocab_size: int, saves: int = 5, directory: str | None = None) -> list[dict]:
     """Saves of a train state (random values, so compression cannot shrink zeros) with async and
     blocking Orbax writes: the time save() holds the caller, and the time until the step is on disk."""
+    import grain  # the data and checkpoint stack is imported only where it is measured
+
+    from jaxchat.checkpoint import Checkpointer
+
     config = model_config(depth, vocab_size=vocab_size)
     optimizer = setup_optimizer(model_dim=config.n_embd, depth=depth, num_iterations=100, total_batch_size=2**19)
     state = init_train_state(config, optimizer, make_mesh())
@@ -362,6 +362,9 @@ def main_decode(args: argparse.Namespace) -> list[dict]:
 
 
 def main_loader(args: argparse.Namespace) -> list[dict]:
+    from jaxchat import dataset
+    from jaxchat.tokenizer import Tokenizer, get_tokenizer
+
     with tempfile.TemporaryDirectory() as tmp:
         if args.builtin:
             documents = dataset.builtin_documents()

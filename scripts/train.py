@@ -77,16 +77,6 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
-def find_num_heads(model_dim: int, target_head_dim: int) -> int:
-    """The divisor of model_dim whose head size is closest to target_head_dim (nanochat's search)."""
-    ideal = max(1, round(model_dim / target_head_dim))
-    for offset in range(model_dim):
-        for candidate in (ideal + offset, ideal - offset):
-            if candidate > 0 and model_dim % candidate == 0:
-                return candidate
-    return 1
-
-
 def validate_args(args: argparse.Namespace) -> None:
     """Everything that can be checked before any device is touched."""
     for name in ("depth", "aspect_ratio", "head_dim", "max_seq_len", "device_batch_size", "total_batch_size"):
@@ -136,12 +126,12 @@ def main(argv: list[str] | None = None) -> None:
     import wandb
     from flax import nnx
 
-    from jaxchat.checkpoint import CheckpointError, Checkpointer, check_writable, checkpoint_dir, tokenizer_info, tree_nbytes
-    from jaxchat.common import DummyWandb, get_base_dir, is_master, peak_flops_per_device, print0, quiet_jax_warnings
+    from jaxchat.checkpoint import CheckpointError, Checkpointer, check_writable, checkpoint_dir, tokenizer_info
+    from jaxchat.common import DummyWandb, get_base_dir, is_master, peak_flops_per_device, print0, quiet_jax_warnings, tree_nbytes
     from jaxchat.core_eval import evaluate_core
     from jaxchat.dataloader import make_train_loader, make_val_loader
     from jaxchat.engine import SAMPLE_PROMPTS, Engine
-    from jaxchat.gpt import GPTConfig, estimate_flops
+    from jaxchat.gpt import GPTConfig, estimate_flops, find_num_heads
     from jaxchat.loss_eval import evaluate_bpb
     from jaxchat.mesh import batch_sharding, make_mesh, put_batch
     from jaxchat.optim import lr_multiplier, muon_momentum, scaled_weight_decay, setup_optimizer, weight_decay_at

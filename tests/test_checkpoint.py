@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxchat import checkpoint as ckpt
 from jaxchat import dataset
+from jaxchat.common import tree_nbytes
 from jaxchat.gpt import GPT, GPTConfig
 from jaxchat.mesh import make_mesh, replicated, sharded
 from jaxchat.optim import setup_optimizer
@@ -415,8 +416,8 @@ def test_check_writable(tmp_path):
 def test_tree_nbytes_counts_every_leaf():
     params, opt_state = trained_state(steps=0)
     expected = sum(x.size * x.dtype.itemsize for x in host_copy(params) + host_copy(opt_state))
-    assert ckpt.tree_nbytes(params, opt_state) == ckpt.tree_nbytes(abstract(params), abstract(opt_state)) == expected
-    assert ckpt.tree_nbytes(params) == 4 * sum(x.size for x in host_copy(params))
+    assert tree_nbytes(params, opt_state) == tree_nbytes(abstract(params), abstract(opt_state)) == expected
+    assert tree_nbytes(params) == 4 * sum(x.size for x in host_copy(params))
 
 
 # ---- loading a model for inference ---------------------------------------------------------------
