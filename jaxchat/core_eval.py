@@ -41,6 +41,7 @@ from jaxchat.gpt import ROTARY_LENGTH_FACTOR, cross_entropy
 from jaxchat.mesh import params_mesh
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
+EVAL_BUNDLE_URL_ENV = "JAXCHAT_EVAL_BUNDLE_URL"  # a mirror, or a local server in tests
 TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
 MIN_BUCKET = 64  # shortest padded row length; buckets grow from here up to the model's limit
 FEWSHOT_SEED = 1234  # few-shot examples of item idx come from random.Random(1234 + idx)
@@ -50,9 +51,11 @@ SHUFFLE_SEED = 1337  # task data is shuffled with random.Random(1337) before cro
 # -----------------------------------------------------------------------------------------------
 # The eval bundle: core.yaml (tasks), eval_data/*.jsonl (examples), eval_meta_data.csv (baselines)
 
-def download_eval_bundle(base_dir: str | None = None, url: str = EVAL_BUNDLE_URL) -> str:
-    """<base_dir>/eval_bundle, downloaded and unpacked from url on first use (about 162 MB).
-    A file lock makes concurrent processes wait for one download instead of racing for it."""
+def download_eval_bundle(base_dir: str | None = None, url: str | None = None) -> str:
+    """<base_dir>/eval_bundle, downloaded and unpacked from url (default: $JAXCHAT_EVAL_BUNDLE_URL, else
+    nanochat's public copy) on first use (about 162 MB). A file lock makes concurrent processes wait for
+    one download instead of racing for it."""
+    url = url or os.environ.get(EVAL_BUNDLE_URL_ENV) or EVAL_BUNDLE_URL
     base_dir = base_dir or get_base_dir()
     bundle_dir = os.path.join(base_dir, "eval_bundle")
     if _bundle_complete(bundle_dir):

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from jaxchat.checkpoint import CheckpointError, Checkpointer, check_writable, checkpoint_dir, tokenizer_info
     from jaxchat.common import DummyWandb, get_base_dir, is_master, peak_flops_per_device, print0, quiet_jax_warnings, tree_nbytes
-    from jaxchat.core_eval import evaluate_core
+    from jaxchat.core_eval import download_eval_bundle, evaluate_core
     from jaxchat.dataloader import make_train_loader, make_val_loader
     from jaxchat.engine import SAMPLE_PROMPTS, Engine
     from jaxchat.gpt import GPTConfig, estimate_flops, find_num_heads
@@ -180,6 +180,13 @@ def main(argv: list[str] | None = None) -> None:
     print0(f"Tokens / micro-batch / device: {args.device_batch_size} x {args.max_seq_len} = {tokens_per_fwdbwd:,}")
     print0(f"Tokens / micro-batch: {world_tokens_per_fwdbwd:,}")
     print0(f"Total batch size {args.total_batch_size:,} => gradient accumulation steps: {grad_accum_steps}")
+
+    # CORE during training needs the eval bundle: fetch it now rather than fail hours into the run
+    if args.core_metric_every > 0:
+        try:
+            download_eval_bundle()
+        except (RuntimeError, OSError) as e:
+            fail(f"{e}\nOr train without CORE: --core-metric-every=-1 (then run scripts.base_eval on the checkpoint)")
 
     # Tokenizer will be useful for evaluation, also we need the vocab size
     try:
@@ -408,6 +415,13 @@ def main(argv: list[str] | None = None) -> None:
                            "total_training_time": total_training_time, "val/bpb": val_bpb})
             last_done = time.perf_counter()
 
+        # save checkpoint: at the end of the run, or every save_every steps, except at the first step or the resume step
+        # (before CORE and samples, so that nothing they do can cost the run its checkpoint)
+        saved = last_step or (step > 0 and step != resume_step_taken and args.save_every > 0 and step % args.save_every == 0)
+        if saved:
+            flush()
+            save(step)
+
         # once in a while: estimate the CORE metric (all processes participate)
         if args.core_metric_every > 0 and (last_step or (step > 0 and step % args.core_metric_every == 0)):
             flush()
@@ -427,12 +441,6 @@ def main(argv: list[str] | None = None) -> None:
                 sample, _ = engine.generate_batch(tokens, num_samples=1, max_tokens=16, temperature=0)
                 print0(tokenizer.decode(sample[0]))
             last_done = time.perf_counter()
-
-        # save checkpoint: at the end of the run, or every save_every steps, except at the first step or the resume step
-        saved = last_step or (step > 0 and step != resume_step_taken and args.save_every > 0 and step % args.save_every == 0)
-        if saved:
-            flush()
-            save(step)
 
         if stop_signal and not last_step:
             flush()

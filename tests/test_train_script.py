@@ -3,6 +3,7 @@ that must stop before any compute with a message and no traceback."""
 
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -29,8 +30,8 @@ def base_dir(tmp_path_factory):
     return base
 
 
-def train(base_dir, *flags, timeout=300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "JAXCHAT_BASE_DIR": str(base_dir), "PYTHONUNBUFFERED": "1"}
+def train(base_dir, *flags, timeout=300, **env_vars) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAXCHAT_BASE_DIR": str(base_dir), "PYTHONUNBUFFERED": "1", **env_vars}
     return subprocess.run([sys.executable, "-m", "scripts.train", *flags], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -74,5 +75,20 @@ def test_bad_input_stops_with_a_message(tmp_path, flags, message):
                    "--num-devices=1", *flags, timeout=120)
     assert result.returncode != 0
     assert message in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not os.path.exists(tmp_path / "base_checkpoints")
+
+
+def test_unreachable_core_bundle_stops_before_training(tmp_path):
+    """CORE during training needs the eval bundle: without it the run stops at the start, not hours later."""
+    with socket.socket() as s:  # a port nothing listens on: the download is refused at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = train(tmp_path, "--depth=2", "--max-seq-len=128", "--device-batch-size=4", "--total-batch-size=512",
+                   "--num-devices=1", "--core-metric-every=100", timeout=120,
+                   JAXCHAT_EVAL_BUNDLE_URL=f"http://127.0.0.1:{port}/eval_bundle.zip")
+    assert result.returncode != 0
+    assert "could not download the CORE eval bundle" in result.stderr, result.stderr[-2000:]
+    assert "--core-metric-every=-1" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
     assert not os.path.exists(tmp_path / "base_checkpoints")
