@@ -92,3 +92,40 @@ def test_unreachable_core_bundle_stops_before_training(tmp_path):
     assert "--core-metric-every=-1" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
     assert not os.path.exists(tmp_path / "base_checkpoints")
+
+
+def train_two_processes(base_dir, *flags) -> str:
+    """scripts.train as two hosts of one CPU device each (jax.distributed on 127.0.0.1); process 0's output."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for process_id in range(2):
+        env = {**os.environ, "JAXCHAT_BASE_DIR": str(base_dir), "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu",
+               "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+               "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(process_id)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "scripts.train", *flags], cwd=REPO_ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-3000:]
+    assert "step 0" not in outputs[1]  # only process 0 logs
+    return outputs[0]
+
+
+def test_two_hosts_train_save_and_resume_exactly(base_dir):
+    """Each process reads its own share of the data and saves its own loader state; resuming both from
+    the middle gives the steps of the uninterrupted run."""
+    flags = ["--depth=2", "--max-seq-len=128", "--device-batch-size=4", "--total-batch-size=1024",
+             "--num-iterations=6", "--eval-every=3", "--eval-tokens=1024", "--core-metric-every=-1",
+             "--sample-every=-1", "--save-every=3", "--device-type=cpu", "--loader-workers=1", "--model-tag=hosts"]
+    whole = train_two_processes(base_dir, *flags)
+    data_states = os.listdir(base_dir / "base_checkpoints" / "hosts" / "3" / "data")
+    assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(data_states)
+    resumed = train_two_processes(base_dir, *flags, "--resume-from-step=3")
+    line = re.compile(r"^step (\d+)/00006 .*?\| loss: ([\d.]+) \|", re.M)
+    whole_losses, resumed_losses = dict(line.findall(whole)), dict(line.findall(resumed))
+    assert sorted(resumed_losses) == ["00003", "00004", "00005"]
+    assert resumed_losses == {step: whole_losses[step] for step in resumed_losses}
+    bpb = re.compile(r"^Step 00006 \| Validation bpb: ([\d.]+)$", re.M)
+    assert bpb.findall(resumed) == bpb.findall(whole)
