@@ -18,7 +18,6 @@ import fcntl
 import json
 import os
 import random
-import sys
 import tempfile
 import time
 import urllib.error

@@ -25,7 +25,6 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxchat import checkpoint as ckpt
-from jaxchat import dataset
 from jaxchat.common import tree_nbytes
 from jaxchat.gpt import GPT, GPTConfig
 from jaxchat.mesh import make_mesh, replicated, sharded
@@ -476,13 +475,10 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
-def train_base_dir(tmp_path_factory):
+def train_base_dir(tmp_path_factory, make_base_dir):
     """A base dir as a user's after `python -m jaxchat.dataset --builtin` and `python -m scripts.tok_train`."""
-    base = tmp_path_factory.mktemp("train_base")
+    base = make_base_dir(tmp_path_factory.mktemp("train_base"))
     os.makedirs(base / "xla_cache")
-    documents = dataset.builtin_documents()[:300]
-    dataset.write_shards(lambda: documents, str(base / "base_data"), chars_per_shard=150_000, docs_per_row_group=8)
-    Tokenizer.train_from_iterator(iter(documents), vocab_size=512).save(str(base / "tokenizer"))
     return base
 
 

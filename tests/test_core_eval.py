@@ -2,9 +2,7 @@
 shuffling, cropping, scoring, centered scores; a tiny real GPT end to end; the bundle download."""
 
 import csv
-import functools
 import http.server
-import io
 import json
 import math
 import os
@@ -12,7 +10,6 @@ import random
 import threading
 import zipfile
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

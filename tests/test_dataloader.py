@@ -141,10 +141,10 @@ def test_packing_invariants_and_reference(seq_len, buffer_docs, length_choices, 
 
 
 @pytest.fixture(scope="module")
-def corpus_documents():
+def corpus_documents(builtin_docs):
     """Real prose cut to random lengths (some empty, some far longer than a row)."""
     rng = np.random.default_rng(0)
-    docs = dataset.builtin_documents()[:200]
+    docs = builtin_docs[:200]
     return [doc[: int(n)] for doc, n in zip(docs, rng.choice([0, 40, 200, 700, 3000], size=len(docs)))]
 
 

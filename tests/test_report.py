@@ -12,8 +12,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from jaxchat import dataset, report
-from jaxchat.tokenizer import Tokenizer
+from jaxchat import report
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -156,10 +155,8 @@ def printed_curve(out: str) -> tuple[dict[int, float], dict[int, float]]:
     return train, val
 
 
-def test_training_curve_survives_a_resume(tmp_path):
-    documents = dataset.builtin_documents()[:200]
-    dataset.write_shards(lambda: documents, str(tmp_path / "base_data"), chars_per_shard=100_000, docs_per_row_group=8)
-    Tokenizer.train_from_iterator(iter(documents), vocab_size=512).save(str(tmp_path / "tokenizer"))
+def test_training_curve_survives_a_resume(tmp_path, make_base_dir):
+    make_base_dir(tmp_path, num_docs=200, chars_per_shard=100_000)
     r = report.get_report(str(tmp_path))
     r.append_curve([(500, 1.0, 1.0)])  # a previous run's curve: a fresh run must start anew
 

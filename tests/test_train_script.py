@@ -9,9 +9,6 @@ import sys
 
 import pytest
 
-from jaxchat import dataset
-from jaxchat.tokenizer import Tokenizer
-
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = ["--depth=2", "--max-seq-len=128", "--device-batch-size=4", "--total-batch-size=1024", "--num-devices=2",
        "--num-iterations=30", "--eval-every=15", "--eval-tokens=1024", "--core-metric-every=-1",
@@ -21,13 +18,9 @@ RUN = ["--depth=2", "--max-seq-len=128", "--device-batch-size=4", "--total-batch
 
 
 @pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
+def base_dir(tmp_path_factory, make_base_dir):
     """A base dir as after `python -m jaxchat.dataset --builtin` and `python -m scripts.tok_train`."""
-    base = tmp_path_factory.mktemp("train_script")
-    documents = dataset.builtin_documents()[:300]
-    dataset.write_shards(lambda: documents, str(base / "base_data"), chars_per_shard=150_000, docs_per_row_group=8)
-    Tokenizer.train_from_iterator(iter(documents), vocab_size=512).save(str(base / "tokenizer"))
-    return base
+    return make_base_dir(tmp_path_factory.mktemp("train_script"))
 
 
 def train(base_dir, *flags, timeout=300, **env_vars) -> subprocess.CompletedProcess:
