@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jinja2 import Template
 
 from jaxchat.common import Progress, eta_text, get_base_dir, print0
-from jaxchat.gpt import ROTARY_LENGTH_FACTOR, cross_entropy
+from jaxchat.gpt import ROTARY_LENGTH_FACTOR
 from jaxchat.mesh import params_mesh
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
@@ -295,13 +295,12 @@ def _score_rows(graphdef, replicated, state, tokens, starts, ends):
     ends-2 (each predicting the next token: the continuation) and whether the argmax prediction equals
     every continuation token. Padding rows have starts == ends (empty span) and are ignored by the host."""
     model = nnx.merge(graphdef, state)
-    logits = model(tokens).astype(jnp.float32)
     targets = jnp.roll(tokens, -1, axis=1)  # position p predicts token p + 1
-    losses = cross_entropy(logits, targets, "none")
+    losses, predicted = model.token_scores(tokens, targets)  # the loss head in chunks: no (R, L, V) logits
     positions = jnp.arange(tokens.shape[1])[None, :]
     in_span = (positions >= starts[:, None] - 1) & (positions < ends[:, None] - 1)
     mean_losses = jnp.where(in_span, losses, 0.0).sum(axis=1) / in_span.sum(axis=1)
-    all_predicted = jnp.all((jnp.argmax(logits, axis=-1) == targets) | ~in_span, axis=1)
+    all_predicted = jnp.all(predicted | ~in_span, axis=1)
     # Every process reads every row's result: gather them inside the computation.
     return jax.lax.with_sharding_constraint((mean_losses, all_predicted), replicated)
 

@@ -5,10 +5,15 @@
 - ReLU^2 MLP, no biases, RMSNorm without learnable parameters
 - per-layer resid_lambdas / x0_lambdas mixing the residual stream with the first embedding
 - GQA, sliding-window attention from a window pattern (last layer always full)
-- logits soft-capped at 15, computed and reduced in float32
+- logits soft-capped at 15, computed and reduced in float32, in chunks of positions (jaxchat.loss)
 
 Parameters are float32. Matmuls run in the compute dtype: bfloat16 on accelerators, float32 on
 CPU (where bf16 is emulated and slower). Flax kernels are (in, out): PyTorch's weights transposed.
+
+Activation checkpointing (`remat`) chooses what each block keeps for the backward pass:
+  none   everything autodiff saves (fastest, most memory)
+  dots   only the outputs of the matmuls; norms, rotary, ReLU^2 and attention are recomputed
+  block  only the block's input; the whole block is recomputed
 """
 
 import dataclasses
@@ -22,11 +27,16 @@ from flax import nnx
 
 from jaxchat.attention import cached_attention, causal_attention, default_implementation
 from jaxchat.common import compute_dtype
+from jaxchat.loss import DEFAULT_CHUNK_LEN, softcap_logits, token_losses, token_scores
 
 VOCAB_PAD_MULTIPLE = 64
 ROTARY_BASE = 10_000
 ROTARY_LENGTH_FACTOR = 10  # rotary positions exist for 10x the training length (for generation)
-LOGIT_SOFTCAP = 15.0
+REMAT_POLICIES = {
+    "none": None,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "block": jax.checkpoint_policies.nothing_saveable,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,14 +190,22 @@ class Block(nnx.Module):
 
 
 class GPT(nnx.Module):
-    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs, dtype=None, attention_implementation: str | None = None):
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs, dtype=None, attention_implementation: str | None = None,
+                 remat: str = "none", loss_chunk_len: int = DEFAULT_CHUNK_LEN):
         """dtype: compute dtype of the matmuls (default: bf16 on accelerators, f32 on CPU).
-        attention_implementation: 'cudnn' or 'xla' (default: cudnn on NVIDIA GPUs, else xla)."""
+        attention_implementation: 'cudnn' or 'xla' (default: cudnn on NVIDIA GPUs, else xla).
+        remat: what each block keeps for the backward pass, a key of REMAT_POLICIES.
+        loss_chunk_len: positions per chunk of the loss head (jaxchat.loss)."""
         self.config = config
         self.dtype = jnp.dtype(dtype or compute_dtype())
         implementation = attention_implementation or default_implementation()
         if implementation == "cudnn" and self.dtype not in (jnp.bfloat16, jnp.float16):
             raise ValueError("cuDNN flash attention needs a bfloat16/float16 compute dtype; pass dtype=jnp.bfloat16")
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"unknown remat policy {remat!r}: use one of {', '.join(REMAT_POLICIES)}")
+        if loss_chunk_len < 1:
+            raise ValueError(f"loss_chunk_len must be a positive number of positions, got {loss_chunk_len}")
+        self.remat, self.loss_chunk_len = remat, loss_chunk_len
         V, C = config.padded_vocab_size, config.n_embd
         self.wte = nnx.Embed(V, C, dtype=self.dtype, param_dtype=jnp.float32,
                              embedding_init=jax.nn.initializers.normal(1.0), rngs=rngs)
@@ -200,29 +218,45 @@ class GPT(nnx.Module):
 
     # ---- forward -------------------------------------------------------------------------------
     def _embed(self, idx: jax.Array) -> jax.Array:
-        return rms_norm(self.wte(idx))
+        # Rows of the float32 table, cast after the lookup: the gradient is a float32 scatter-add of
+        # the token rows (a bf16 table would accumulate frequent tokens' gradients in bf16).
+        return rms_norm(jnp.take(self.wte.embedding[...], idx, axis=0).astype(self.dtype))
 
     def _mix(self, i: int, x: jax.Array, x0: jax.Array) -> jax.Array:
         lam = self.resid_lambdas[i].astype(x.dtype)
         lam0 = self.x0_lambdas[i].astype(x.dtype)
         return lam * x + lam0 * x0
 
-    def _logits(self, x: jax.Array) -> jax.Array:
-        logits = self.lm_head(rms_norm(x))[..., : self.config.vocab_size].astype(jnp.float32)
-        return LOGIT_SOFTCAP * jnp.tanh(logits / LOGIT_SOFTCAP)
+    def _unembedding(self) -> jax.Array:
+        """lm_head's kernel without the padded vocabulary columns: (C, vocab_size)."""
+        return self.lm_head.kernel[:, : self.config.vocab_size]
+
+    def hidden(self, idx: jax.Array) -> jax.Array:
+        """idx (B, T) -> the normalised final hidden states (B, T, C) that the loss head reads."""
+        cos, sin = rotary_cos_sin(jnp.arange(idx.shape[1]), self.config.head_dim)
+        x = x0 = self._embed(idx)
+        policy = REMAT_POLICIES[self.remat]
+        for i, block in enumerate(self.blocks):
+            x = self._mix(i, x, x0)
+            if self.remat == "none":
+                x = block(x, cos, sin)
+            else:
+                x = nnx.remat(lambda b, x: b(x, cos, sin), policy=policy)(block, x)
+        return rms_norm(x)
 
     def __call__(self, idx: jax.Array, targets: jax.Array | None = None, loss_reduction: str = "mean") -> jax.Array:
         """idx: (B, T) int. Without targets: logits (B, T, vocab_size) float32. With targets: the
-        cross-entropy, ignoring targets == -1: a scalar mean ('mean'), or (B, T) with 0 at ignored ('none')."""
-        T = idx.shape[1]
-        cos, sin = rotary_cos_sin(jnp.arange(T), self.config.head_dim)
-        x = x0 = self._embed(idx)
-        for i, block in enumerate(self.blocks):
-            x = block(self._mix(i, x, x0), cos, sin)
-        logits = self._logits(x)
+        cross-entropy, ignoring targets == -1: a scalar mean ('mean'), or (B, T) with 0 at ignored ('none').
+        The loss never materialises the logits of the whole batch (jaxchat.loss)."""
+        x = self.hidden(idx)
         if targets is None:
-            return logits
-        return cross_entropy(logits, targets, loss_reduction)
+            return softcap_logits(x, self._unembedding())
+        losses = token_losses(x, self._unembedding(), targets, self.loss_chunk_len)
+        return reduce_losses(losses, targets >= 0, loss_reduction)
+
+    def token_scores(self, idx: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """For evaluation: each token's loss (B, T) and whether the greedy prediction equals the target."""
+        return token_scores(self.hidden(idx), self._unembedding(), targets, self.loss_chunk_len)
 
     # ---- decoding with a KV cache --------------------------------------------------------------
     def init_cache(self, batch_size: int, max_len: int) -> KVCache:
@@ -245,7 +279,7 @@ class GPT(nnx.Module):
             y, cache = block.attn.decode(rms_norm(x), cos, sin, cache, i)
             x = x + y
             x = x + block.mlp(rms_norm(x))
-        return self._logits(x), cache.replace(pos=cache.pos + t)
+        return softcap_logits(rms_norm(x), self._unembedding()), cache.replace(pos=cache.pos + t)
 
     # ---- counting --------------------------------------------------------------------------------
     def num_scaling_params(self) -> int:
@@ -257,13 +291,8 @@ class GPT(nnx.Module):
         return estimate_flops(self.config)
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array, reduction: str = "mean") -> jax.Array:
-    """Float32 cross-entropy over the last axis; targets == -1 are ignored."""
-    valid = targets >= 0
-    safe_targets = jnp.where(valid, targets, 0)
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, safe_targets[..., None], axis=-1)[..., 0]
-    losses = jnp.where(valid, logz - target_logit, 0.0)
+def reduce_losses(losses: jax.Array, valid: jax.Array, reduction: str = "mean") -> jax.Array:
+    """Per-token losses (0 where not valid) -> 'mean' over valid tokens, 'sum', or 'none' (unchanged)."""
     if reduction == "none":
         return losses
     if reduction == "mean":

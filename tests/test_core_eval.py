@@ -10,6 +10,7 @@ import random
 import threading
 import zipfile
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -102,6 +103,12 @@ class PositionalBigram(nnx.Module):
 
     def __call__(self, idx):
         return self.table[idx] + self.position_bias[: idx.shape[1]][None]
+
+    def token_scores(self, idx, targets):
+        """What the scorer reads of a model (as GPT.token_scores): each token's loss and greedy hit."""
+        logits = self(idx)
+        target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+        return jax.nn.logsumexp(logits, axis=-1) - target_logits, jnp.argmax(logits, axis=-1) == targets
 
 
 def reference_prompts(task_type: str, item: dict, delimiter: str, fewshot: list[dict]) -> list[str]:

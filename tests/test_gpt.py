@@ -288,3 +288,30 @@ def test_bad_configs_are_refused():
         GPTConfig(n_head=6, n_kv_head=4)
     with pytest.raises(ValueError, match="window_pattern"):
         GPTConfig(window_pattern="SXL")
+
+
+# ---- activation checkpointing ----------------------------------------------------------------------
+def test_remat_policies_give_the_same_gradients_and_keep_less():
+    """Each policy recomputes what it does not keep: the same maths, so the same gradients (to float32
+    rounding of the recomputation order), and 'block' keeps fewer bytes than 'dots' than 'none'."""
+    reference = randomized(TINY, seed=5)
+    params = nnx.state(reference, nnx.Param)
+    rng = np.random.default_rng(2)
+    idx = jnp.asarray(rng.integers(0, TINY.vocab_size, size=(2, TINY.sequence_len)))
+    targets = jnp.asarray(rng.integers(0, TINY.vocab_size, size=(2, TINY.sequence_len)))
+    grads, kept = {}, {}
+    for policy in ("none", "dots", "block"):
+        graphdef, _ = nnx.split(nnx.eval_shape(lambda: GPT(TINY, rngs=nnx.Rngs(0), dtype=jnp.float32, remat=policy)))
+
+        def loss(p):
+            return nnx.merge(graphdef, p)(idx, targets)
+
+        grads[policy] = jax.tree.leaves(jax.grad(loss)(params))
+        vjp_fn = jax.eval_shape(lambda p: jax.vjp(loss, p)[1], params)  # its leaves are the saved residuals
+        kept[policy] = sum(math.prod(r.shape) * r.dtype.itemsize for r in jax.tree.leaves(vjp_fn))
+    for policy in ("dots", "block"):
+        for a, b in zip(grads[policy], grads["none"]):
+            np.testing.assert_allclose(a, b, atol=1e-5 * max(np.abs(b).max(), 1e-3))
+    assert kept["block"] < kept["dots"] < kept["none"], kept
+    with pytest.raises(ValueError, match="remat policy"):
+        GPT(TINY, rngs=nnx.Rngs(0), remat="most")

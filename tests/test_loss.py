@@ -1,0 +1,84 @@
+"""The chunked loss head against a float64 NumPy version of the same maths, values and gradients."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxchat.loss import LOGIT_SOFTCAP, token_losses, token_scores
+
+B, T, C, V = 2, 12, 16, 40
+
+
+def np_softcap_ce(x, w, targets):
+    """float64: per-token loss, d(sum of loss)/dx, d(sum of loss)/dw, greedy hits; -1 targets ignored."""
+    z = x @ w
+    s = LOGIT_SOFTCAP * np.tanh(z / LOGIT_SOFTCAP)
+    m = s.max(-1, keepdims=True)
+    lse = (m + np.log(np.exp(s - m).sum(-1, keepdims=True)))[..., 0]
+    valid = targets >= 0
+    safe = np.where(valid, targets, 0)
+    target_logit = np.take_along_axis(s, safe[..., None], -1)[..., 0]
+    losses = np.where(valid, lse - target_logit, 0.0)
+    ds = np.exp(s - lse[..., None])
+    np.put_along_axis(ds, safe[..., None], np.take_along_axis(ds, safe[..., None], -1) - 1, -1)
+    ds *= valid[..., None]
+    dz = ds * (1 - (s / LOGIT_SOFTCAP) ** 2)
+    return losses, dz @ w.T, np.einsum("btc,btv->cv", x, dz), s.argmax(-1) == targets
+
+
+def inputs(seed=0, ignore=True):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(B, T, C))
+    w = rng.normal(size=(C, V)) * 2.0  # logits of a few units: the soft cap and its derivative both matter
+    targets = rng.integers(0, V, size=(B, T))
+    if ignore:
+        targets[0, :3] = -1
+        targets[1, -2:] = -1
+    return x, w, targets
+
+
+@pytest.mark.parametrize("chunk_len", [1, 4, 5, 128])  # 5 does not divide T: the chunks are 4 positions
+def test_losses_and_gradients_match_float64(chunk_len):
+    x, w, targets = inputs()
+    ref_losses, ref_dx, ref_dw, ref_hits = np_softcap_ce(x, w, targets)
+    x32, w32 = jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32)
+    losses = token_losses(x32, w32, jnp.asarray(targets), chunk_len)
+    dx, dw = jax.grad(lambda x, w: token_losses(x, w, jnp.asarray(targets), chunk_len).sum(), argnums=(0, 1))(x32, w32)
+    # float32 inputs of size ~1-10, sums over C=16 and V=40 terms: relative errors of a few 1e-7;
+    # the bound is ~100 ulps of each quantity's scale.
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5 * np.abs(ref_losses).max())
+    np.testing.assert_allclose(dx, ref_dx, atol=1e-5 * np.abs(ref_dx).max())
+    np.testing.assert_allclose(dw, ref_dw, atol=1e-5 * np.abs(ref_dw).max())
+    assert np.all(np.asarray(losses)[targets < 0] == 0)
+    assert np.all(np.asarray(dx)[targets < 0] == 0)  # an ignored position sends no gradient
+    score_losses, hits = token_scores(x32, w32, jnp.asarray(targets), chunk_len)
+    np.testing.assert_allclose(score_losses, ref_losses, rtol=1e-5, atol=1e-5 * np.abs(ref_losses).max())
+    np.testing.assert_array_equal(hits, ref_hits)
+
+
+def test_bfloat16_hidden_states_accumulate_in_float32():
+    """bf16 x and w (the accelerator path): the logits are exact products of the bf16-rounded inputs
+    accumulated in float32, so against float64 on those rounded inputs the error is float32's, not bf16's."""
+    x, w, targets = inputs(seed=1, ignore=False)
+    xb, wb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.float32).astype(jnp.bfloat16)
+    ref_losses, _, ref_dw, _ = np_softcap_ce(np.asarray(xb, np.float64), np.asarray(wb, np.float64), targets)
+    losses = token_losses(xb, wb.astype(jnp.float32), jnp.asarray(targets), 4)
+    assert losses.dtype == jnp.float32
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5 * np.abs(ref_losses).max())
+    dw = jax.grad(lambda w: token_losses(xb, w, jnp.asarray(targets), 4).sum())(wb.astype(jnp.float32))
+    assert dw.dtype == jnp.float32
+    # the backward matmuls take bf16 operands (as autodiff of a bf16 matmul would): ~3 significant digits
+    np.testing.assert_allclose(dw, ref_dw, atol=2e-2 * np.abs(ref_dw).max())
+
+
+def test_no_batch_by_vocab_tensor_is_kept_for_the_backward_pass():
+    """What autodiff keeps of the loss head: the inputs and one float32 per token, never (B, T, V) values."""
+    x, w, targets = inputs()
+    def loss(x, w):
+        return token_losses(x, w, jnp.asarray(targets), 4).sum()
+
+    # the VJP closure holds exactly the residuals (a pytree), seen here as shapes
+    vjp_fn = jax.eval_shape(lambda x, w: jax.vjp(loss, x, w)[1], jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32))
+    shapes = [tuple(r.shape) for r in jax.tree.leaves(vjp_fn)]
+    assert (B, T, V) not in shapes and all(np.prod(s) < B * T * V for s in shapes), shapes
