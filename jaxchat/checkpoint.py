@@ -179,10 +179,18 @@ def _key_name(key) -> str:
     return str(key)
 
 
-def _signature(tree) -> dict[str, tuple[tuple[int, ...], str]]:
-    """{dotted path: (shape, dtype)} of every leaf; the same paths for a live tree and Orbax's metadata."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {".".join(_key_name(k) for k in path): (tuple(x.shape), str(np.dtype(x.dtype))) for path, x in leaves}
+def _signature(tree) -> dict[str, tuple[tuple, str]]:
+    """{dotted path: (shape, dtype)} of every leaf; the same paths for a live tree and Orbax's metadata.
+    The length of Muon's stacks is left out: it is padded to a multiple of the device count (jaxchat.optim
+    ParamLayout), so a run restored on other devices re-pads them (zero matrices added or dropped)."""
+    signature = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        names = [_key_name(k) for k in path]
+        shape = tuple(x.shape)
+        if "muon" in names[:-1] and len(shape) == 3:
+            shape = ("stack",) + shape[1:]
+        signature[".".join(names)] = (shape, str(np.dtype(x.dtype)))
+    return signature
 
 
 def _describe_differences(saved: dict, wanted: dict, limit: int = 5) -> str:
@@ -382,7 +390,9 @@ class Checkpointer:
                     f"{_describe_differences(saved, wanted)}\n"
                     "The code of the model or optimizer changed since it was saved; resume with the version that saved it."
                 )
-        args = {item: ocp.args.StandardRestore(target) for item, target in targets.items()}
+        # strict=False lets Orbax pad (with zeros) or crop Muon's stacks to this run's padding; every other
+        # shape was checked equal above
+        args = {item: ocp.args.StandardRestore(target, strict=item != "opt_state") for item, target in targets.items()}
         if data_iter is not None:
             self._check_data_state(step)
             args["data"] = grain.checkpoint.CheckpointRestore(data_iter)

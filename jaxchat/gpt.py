@@ -116,10 +116,10 @@ def _symmetric_uniform(bound: float) -> nnx.Initializer:
     return init
 
 
-def _linear(fan_in: int, fan_out: int, init: nnx.Initializer, dtype, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(
-        fan_in, fan_out, use_bias=False, kernel_init=init, dtype=dtype, param_dtype=jnp.float32, rngs=rngs
-    )
+def _linear(fan_in: int, fan_out: int, axes: tuple[str, str], init: nnx.Initializer, dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    """A bias-free linear layer whose kernel (in, out) carries the logical axis names `axes` (jaxchat.mesh)."""
+    return nnx.Linear(fan_in, fan_out, use_bias=False, kernel_init=init, dtype=dtype, param_dtype=jnp.float32,
+                      kernel_metadata={"logical_axes": axes}, rngs=rngs)
 
 
 @flax.struct.dataclass
@@ -135,10 +135,10 @@ class CausalSelfAttention(nnx.Module):
     def __init__(self, config: GPTConfig, window: int, dtype, implementation: str, rngs: nnx.Rngs):
         n_embd, head_dim = config.n_embd, config.head_dim
         init = _symmetric_uniform(math.sqrt(3.0 / n_embd))
-        self.c_q = _linear(n_embd, config.n_head * head_dim, init, dtype, rngs)
-        self.c_k = _linear(n_embd, config.n_kv_head * head_dim, init, dtype, rngs)
-        self.c_v = _linear(n_embd, config.n_kv_head * head_dim, init, dtype, rngs)
-        self.c_proj = _linear(n_embd, n_embd, jax.nn.initializers.zeros, dtype, rngs)
+        self.c_q = _linear(n_embd, config.n_head * head_dim, ("embed", "heads"), init, dtype, rngs)
+        self.c_k = _linear(n_embd, config.n_kv_head * head_dim, ("embed", "heads"), init, dtype, rngs)
+        self.c_v = _linear(n_embd, config.n_kv_head * head_dim, ("embed", "heads"), init, dtype, rngs)
+        self.c_proj = _linear(n_embd, n_embd, ("heads", "embed"), jax.nn.initializers.zeros, dtype, rngs)
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, head_dim
         self.window = window
         self.implementation = implementation
@@ -172,8 +172,8 @@ class CausalSelfAttention(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, config: GPTConfig, dtype, rngs: nnx.Rngs):
         n_embd = config.n_embd
-        self.c_fc = _linear(n_embd, 4 * n_embd, _symmetric_uniform(math.sqrt(3.0 / n_embd)), dtype, rngs)
-        self.c_proj = _linear(4 * n_embd, n_embd, jax.nn.initializers.zeros, dtype, rngs)
+        self.c_fc = _linear(n_embd, 4 * n_embd, ("embed", "mlp"), _symmetric_uniform(math.sqrt(3.0 / n_embd)), dtype, rngs)
+        self.c_proj = _linear(4 * n_embd, n_embd, ("mlp", "embed"), jax.nn.initializers.zeros, dtype, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.c_proj(jnp.square(jax.nn.relu(self.c_fc(x))))
@@ -207,14 +207,14 @@ class GPT(nnx.Module):
             raise ValueError(f"loss_chunk_len must be a positive number of positions, got {loss_chunk_len}")
         self.remat, self.loss_chunk_len = remat, loss_chunk_len
         V, C = config.padded_vocab_size, config.n_embd
-        self.wte = nnx.Embed(V, C, dtype=self.dtype, param_dtype=jnp.float32,
-                             embedding_init=jax.nn.initializers.normal(1.0), rngs=rngs)
+        self.wte = nnx.Embed(V, C, dtype=self.dtype, param_dtype=jnp.float32, embedding_init=jax.nn.initializers.normal(1.0),
+                             embedding_metadata={"logical_axes": ("vocab", "embed")}, rngs=rngs)
         self.blocks = nnx.List(
             [Block(config, w, self.dtype, implementation, rngs) for w in config.window_sizes()]
         )
-        self.lm_head = _linear(C, V, jax.nn.initializers.normal(0.001), self.dtype, rngs)
-        self.resid_lambdas = nnx.Param(jnp.ones((config.n_layer,), jnp.float32))
-        self.x0_lambdas = nnx.Param(jnp.zeros((config.n_layer,), jnp.float32))
+        self.lm_head = _linear(C, V, ("embed", "vocab"), jax.nn.initializers.normal(0.001), self.dtype, rngs)
+        self.resid_lambdas = nnx.Param(jnp.ones((config.n_layer,), jnp.float32), logical_axes=("layers",))
+        self.x0_lambdas = nnx.Param(jnp.zeros((config.n_layer,), jnp.float32), logical_axes=("layers",))
 
     # ---- forward -------------------------------------------------------------------------------
     def _embed(self, idx: jax.Array) -> jax.Array:
@@ -326,6 +326,11 @@ def estimate_flops(config: GPTConfig) -> int:
     matmul_params = sum(math.prod(s) for name, s in shapes.items() if name not in excluded)
     attention = sum(12 * config.n_head * config.head_dim * min(w, config.sequence_len) for w in config.window_sizes())
     return 6 * matmul_params + attention
+
+
+def logical_axes(params: nnx.State) -> list[tuple[str, ...]]:
+    """The logical axis names of every parameter, in leaf order, as the model declared them (jaxchat.mesh)."""
+    return [v.get_metadata()["logical_axes"] for v in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))]
 
 
 def count_params(state) -> int:

@@ -1,22 +1,35 @@
 """The device mesh and how every array is laid out on it.
 
-One mesh axis, 'data', over all devices of all processes. The batch is split over it. By default
-parameters are replicated and the optimizer state is sharded over it (ZeRO-1, as nanochat's
-DistMuon/DistAdamW); with fsdp=True the parameters are sharded the same way (ZeRO-3), for depths
-whose state does not fit one device. XLA inserts the collectives: gradients are reduce-scattered
-onto the optimizer's shards and the updated parameters all-gathered.
+One mesh axis, 'data', over all devices of all processes; the batch is split over it.
 
-The sharding rule is a single function of the array's shape, so parameters, gradients, optimizer
-state and checkpoints all agree without a table to maintain.
+Arrays are laid out by annotation, as in MaxText: every parameter carries logical axis names (given
+where gpt.py creates it: 'vocab', 'embed', 'heads', 'mlp', 'layers'), optimizer buffers inherit the
+names of the parameter they belong to, and Muon's stacked groups have a leading 'matrices' axis. A
+rules table maps logical names to mesh axes; a dimension is split only if the mesh axis divides it and
+no earlier dimension of the same array took that mesh axis, otherwise it is replicated.
+
+    REPLICATED   parameters in data parallel: every device holds them
+    SHARDED      optimizer state always (ZeRO-1, as nanochat's DistMuon/DistAdamW), parameters too
+                 with --fsdp (ZeRO-3); Muon's stacked groups split by whole matrices
+
+A (data, model) mesh is one more table mapping 'heads'/'mlp'/'vocab' to 'model'.
 """
 
 import os
+from collections.abc import Mapping
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 DATA_AXIS = "data"
+
+Rules = Mapping[str, str | None]
+REPLICATED: Rules = {}
+SHARDED: Rules = {"matrices": DATA_AXIS, "vocab": DATA_AXIS, "embed": DATA_AXIS}
+# a batch of token rows: (micro-steps, rows, positions); (rows, positions) for evaluation
+BATCH_AXES = ("accum", "batch", "seq")
+BATCH_RULES: Rules = {"batch": DATA_AXIS}
 
 
 def maybe_initialize_distributed() -> bool:
@@ -58,46 +71,39 @@ def params_mesh(state) -> Mesh:
     return make_mesh()
 
 
-def shard_spec(shape: tuple[int, ...], axis_size: int) -> P:
-    """Shard the largest dimension that the axis divides; replicate what nothing divides (scalars, odd shapes)."""
-    candidates = [(size, -i) for i, size in enumerate(shape) if size % axis_size == 0 and size >= axis_size]
-    if axis_size == 1 or not candidates:
-        return P()
-    _, neg_dim = max(candidates)
-    spec = [None] * len(shape)
-    spec[-neg_dim] = DATA_AXIS
+def logical_to_spec(axes: tuple, shape: tuple[int, ...], rules: Rules, mesh: Mesh) -> P:
+    """The PartitionSpec of one array from its logical axis names (None: an unnamed dimension)."""
+    spec, used = [], set()
+    for name, size in zip(axes, shape):
+        mesh_axis = rules.get(name) if name is not None else None
+        if mesh_axis is None or mesh_axis in used or size % mesh.shape[mesh_axis]:
+            spec.append(None)
+        else:
+            spec.append(mesh_axis)
+            used.add(mesh_axis)
     return P(*spec)
 
 
-def sharded(tree, mesh: Mesh):
-    """NamedShardings that split each leaf of tree (arrays or ShapeDtypeStructs) over 'data' by shard_spec."""
-    size = mesh.shape[DATA_AXIS]
-    return jax.tree.map(lambda x: NamedSharding(mesh, shard_spec(tuple(x.shape), size)), tree)
+def shardings(tree, axes: list[tuple], rules: Rules, mesh: Mesh):
+    """NamedShardings of every leaf of tree (arrays or ShapeDtypeStructs); axes: the logical names of
+    each leaf, in leaf order (gpt.logical_axes, optim.Optimizer.state_axes)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    if len(axes) != len(leaves):
+        raise ValueError(f"{len(axes)} logical axis tuples for {len(leaves)} arrays")
+    return treedef.unflatten([NamedSharding(mesh, logical_to_spec(a, x.shape, rules, mesh)) for x, a in zip(leaves, axes)])
 
 
 def replicated(tree, mesh: Mesh):
     return jax.tree.map(lambda _: NamedSharding(mesh, P()), tree)
 
 
-def param_shardings(abstract_params, mesh: Mesh, fsdp: bool = False):
-    """Replicated parameters (data parallel), or sharded over 'data' with fsdp."""
-    return sharded(abstract_params, mesh) if fsdp else replicated(abstract_params, mesh)
-
-
-def optimizer_state_shardings(abstract_opt_state, mesh: Mesh):
-    """Optimizer state is always sharded over 'data' (ZeRO-1); step counts and scalars stay replicated."""
-    return sharded(abstract_opt_state, mesh)
-
-
 def batch_sharding(mesh: Mesh, ndim: int = 3) -> NamedSharding:
-    """Training batches are (grad_accum, batch, T), eval batches (batch, T): split the rows over 'data'."""
-    spec = [None] * ndim
-    spec[ndim - 2] = DATA_AXIS
-    return NamedSharding(mesh, P(*spec))
+    """Training batches are (grad_accum, batch, T), eval batches (batch, T): the rows split over 'data'."""
+    axes = BATCH_AXES[-ndim:]
+    return NamedSharding(mesh, P(*(BATCH_RULES.get(name) for name in axes)))
 
 
 def put_batch(local_batch: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """This process's rows of a batch -> the global array (each process holds the rows of its devices)."""
-    global_shape = list(local_batch.shape)
-    global_shape[-2] *= jax.process_count()
-    return jax.make_array_from_process_local_data(sharding, local_batch, tuple(global_shape))
+    """This process's rows of a batch -> the global array (each process holds the rows of its devices;
+    the global shape follows from the sharding)."""
+    return jax.make_array_from_process_local_data(sharding, local_batch)

@@ -12,13 +12,11 @@ transpose, (in, out): here axis −2 is the input (PyTorch's cols) and axis −1
 rows). Every rule below is written for kernels; the comments give the PyTorch rule it translates.
 Any leading axes (a stacked layer axis) are batch axes: each slice is its own matrix.
 
-Same-shape matrices are stacked and orthogonalised by one batched matmul chain per shape. With
-`shard=(mesh, axis_name)` each stacked group is padded to a multiple of that mesh axis and split
-over it, so each device orthogonalises only its share (nanochat's DistMuon); the results are the
-same as unsharded.
+jaxchat.optim hands Muon same-shape matrices stacked into one array per shape, split over the devices
+by whole matrices (nanochat's DistMuon): each device orthogonalises only its share, with no
+communication inside the update.
 """
 
-import itertools
 import math
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
@@ -26,7 +24,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 # Polar Express (Amsel et al. 2025, arXiv 2505.16932) for 5 iterations, safety factor 2e-2, cushion 2:
 # (a, b, c) of the odd polynomial a·x + b·x³ + c·x⁵ applied to the singular values at each step.
@@ -126,54 +123,22 @@ def _value_at(hyperparameter: Hyperparameter, count: jax.Array) -> jax.Array:
     return jnp.asarray(value, jnp.float32)
 
 
-def _split_over_mesh(x: jax.Array, shard: tuple[Mesh, str] | None) -> jax.Array:
-    """Pad the stacked-matrix axis to a multiple of the mesh axis and shard it there (zero matrices
-    stay zero through every step, and are dropped afterwards)."""
-    if shard is None:
-        return x
-    mesh, axis_name = shard
-    pad = -x.shape[0] % mesh.shape[axis_name]
-    x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(axis_name)))
-
-
-def _orthogonalise_groups(
-    directions: list[jax.Array], second_moments: list[jax.Array], beta2: jax.Array, ns_steps: int, polar_dtype, shard
-) -> tuple[list[jax.Array], list[jax.Array]]:
-    """Steps 2-3 for every matrix, one stacked computation per (in, out) shape."""
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i, u in enumerate(directions):
-        groups.setdefault(u.shape[-2:], []).append(i)
-    out_x, out_s = [None] * len(directions), [None] * len(directions)
-    for shape, members in groups.items():
-        stacked = jnp.concatenate([directions[i].reshape(-1, *shape) for i in members])
-        moments = jnp.concatenate([second_moments[i].reshape(-1, *second_moments[i].shape[-2:]) for i in members])
-        x = polar_express(_split_over_mesh(stacked, shard), ns_steps, polar_dtype).astype(jnp.float32)
-        x, moments = variance_reduction(x, _split_over_mesh(moments, shard), beta2)
-        # each member's matrices, in order; any padding sits after the last one
-        offsets = [0, *itertools.accumulate(math.prod(directions[i].shape[:-2]) for i in members)]
-        for k, i in enumerate(members):
-            out_x[i] = x[offsets[k] : offsets[k + 1]].reshape(directions[i].shape)
-            out_s[i] = moments[offsets[k] : offsets[k + 1]].reshape(second_moments[i].shape)
-    return out_x, out_s
-
-
 def muon(
     learning_rate: Hyperparameter,
     momentum: Hyperparameter = 0.95,
     ns_steps: int = 5,
     beta2: float = 0.95,
     weight_decay: Hyperparameter = 0.0,
-    shard: tuple[Mesh, str] | None = None,
     polar_dtype=jnp.bfloat16,
 ) -> optax.GradientTransformation:
-    """nanochat's Muon for a pytree of kernels (..., in, out), each with ndim >= 2.
+    """nanochat's Muon for a pytree of kernels (..., in, out), each with ndim >= 2; leading axes are
+    batch axes (a stack of same-shape matrices is orthogonalised by one batched matmul chain).
 
     learning_rate, momentum and weight_decay are floats or schedules (functions of the update count,
     held in the state), so they change per step inside one compiled update. update() needs params
     (cautious weight decay); optax.apply_updates then gives p - lr_eff·X - lr_eff·wd·p·mask.
-    shard: (mesh, axis_name) to split the orthogonalisation of each stacked group over that axis.
     polar_dtype: dtype of the Polar Express matmuls (bfloat16 as nanochat).
+    Sharding follows the inputs: stacks split over a mesh axis by whole matrices are updated locally.
     """
 
     def init_fn(params):
@@ -204,8 +169,12 @@ def muon(
         # 1. Nesterov momentum, elementwise per matrix
         new_m = [(beta * m + (1 - beta) * g).astype(m.dtype) for g, m in zip(g_leaves, m_leaves)]
         directions = [(1 - beta) * g + beta * m for g, m in zip(g_leaves, new_m)]
-        # 2-3. orthogonalise and variance-reduce, stacked by shape
-        xs, new_s = _orthogonalise_groups(directions, s_leaves, jnp.float32(beta2), ns_steps, polar_dtype, shard)
+        # 2-3. orthogonalise and variance-reduce each stack of matrices
+        xs, new_s = [], []
+        for u, s in zip(directions, s_leaves):
+            x, s = variance_reduction(polar_express(u, ns_steps, polar_dtype).astype(jnp.float32), s, jnp.float32(beta2))
+            xs.append(x)
+            new_s.append(s)
         # 4. cautious weight decay: decay only where the update and the weight agree in sign
         updates = []
         for x, p in zip(xs, p_leaves):

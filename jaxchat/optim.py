@@ -6,11 +6,13 @@ the optimizer and on Python ints for printing. Each transform counts its own upd
 update at step t uses exactly the values nanochat uses at step t.
 """
 
+import dataclasses
 import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh
 
@@ -85,8 +87,9 @@ def group_learning_rates(
     }
 
 
-# ---- parameter labels ----------------------------------------------------------------------------
+# ---- parameter groups ----------------------------------------------------------------------------
 def _key_name(key) -> str | int:
+    """The name in one step of a jax key path: a dict key, an attribute or a sequence index."""
     for attr in ("key", "name", "idx"):
         if hasattr(key, attr):
             return getattr(key, attr)
@@ -100,7 +103,8 @@ def param_path(path) -> tuple:
 
 
 def param_label(path: tuple, ndim: int) -> str:
-    """The optimizer group of one parameter; an error that names it if it has none."""
+    """The optimizer group of one parameter, by rule: every matrix in the blocks goes to Muon, the rest
+    to the AdamW group named by its top-level attribute. An error names a parameter with no group."""
     if path and path[0] == "blocks" and ndim >= 2:
         return MUON_GROUP
     if path and path[0] in ADAMW_GROUPS:
@@ -111,14 +115,143 @@ def param_label(path: tuple, ndim: int) -> str:
     )
 
 
-def label_params(params):
-    """The group label of every leaf of a parameter pytree (arrays or ShapeDtypeStructs)."""
-    return jax.tree_util.tree_map_with_path(lambda path, p: param_label(param_path(path), p.ndim), params)
+class ParamLayout:
+    """How the optimizer sees the parameters (its "view"):
+
+        {"muon":  {"<in>x<out>": (n, in, out) every block matrix of that shape, stacked},
+         "adamw": {<the parameter's path>: the parameter}}
+
+    Each stack is padded with zero matrices to a multiple of `num_shards`, so that it splits over the
+    devices by whole matrices; zero matrices stay zero through every Muon step. Optimizer state lives
+    in this view, and so do gradients on their way into it (reduce-scattered straight into it)."""
+
+    def __init__(self, params, num_shards: int = 1):
+        flat, self.treedef = jax.tree_util.tree_flatten_with_path(params)
+        self.paths = [param_path(path) for path, _ in flat]
+        self.shapes = [tuple(x.shape) for _, x in flat]
+        self.labels = [param_label(path, len(shape)) for path, shape in zip(self.paths, self.shapes)]
+        self.num_shards = num_shards
+        self.groups: dict[str, list[int]] = {}
+        for i, (label, shape) in enumerate(zip(self.labels, self.shapes)):
+            if label == MUON_GROUP:  # a leading layer axis would count as that many matrices
+                self.groups.setdefault("x".join(map(str, shape[-2:])), []).append(i)
+
+    def _matrices(self, i: int) -> int:
+        return math.prod(self.shapes[i][:-2])
+
+    def stack_len(self, key: str) -> int:
+        n = sum(self._matrices(i) for i in self.groups[key])
+        return n + -n % self.num_shards
+
+    def _adamw_items(self):
+        return [(i, tuple(map(str, path))) for i, (path, label) in enumerate(zip(self.paths, self.labels))
+                if label != MUON_GROUP]
+
+    def _nest(self, values: dict[tuple, object]) -> dict:
+        tree: dict = {}
+        for path, value in values.items():
+            node = tree
+            for name in path[:-1]:
+                node = node.setdefault(name, {})
+            node[path[-1]] = value
+        return tree
+
+    def to_view(self, params) -> dict:
+        leaves = self.treedef.flatten_up_to(params)
+        muon = {}
+        for key, members in self.groups.items():
+            stack = jnp.concatenate([leaves[i].reshape(-1, *self.shapes[i][-2:]) for i in members])
+            pad = self.stack_len(key) - stack.shape[0]
+            muon[key] = jnp.pad(stack, [(0, pad), (0, 0), (0, 0)]) if pad else stack
+        return {"muon": muon, "adamw": self._nest({path: leaves[i] for i, path in self._adamw_items()})}
+
+    def from_view(self, view: dict):
+        leaves = [None] * len(self.shapes)
+        for key, members in self.groups.items():
+            offset = 0
+            for i in members:
+                n = self._matrices(i)
+                leaves[i] = view["muon"][key][offset:offset + n].reshape(self.shapes[i])
+                offset += n
+        for i, path in self._adamw_items():
+            node = view["adamw"]
+            for name in path:
+                node = node[name]
+            leaves[i] = node
+        return self.treedef.unflatten(leaves)
+
+    def view_of(self, per_param: list) -> dict:
+        """A view-shaped tree from one value per view leaf: per_param[i] for AdamW parameter i, and
+        per_param of the first member for each Muon stack."""
+        return {"muon": {key: per_param[members[0]] for key, members in self.groups.items()},
+                "adamw": self._nest({path: per_param[i] for i, path in self._adamw_items()})}
+
+    def view_axes(self, param_axes: list[tuple]) -> dict:
+        """Logical axis names of the view's leaves (a view-shaped tree of tuples) from those of the
+        parameters (a list in leaf order): the parameters' own, and ('matrices', None, None) for stacks."""
+        axes = self.view_of(param_axes)
+        axes["muon"] = {key: ("matrices", None, None) for key in self.groups}
+        return axes
+
+    def view_labels(self) -> dict:
+        return self.view_of(self.labels)
 
 
 # ---- the optimizer -------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+    """nanochat's two optimizers as one optax transformation over the parameters' view (ParamLayout),
+    with the schedules it trains with: what the log prints is what the update computes."""
+
+    tx: optax.GradientTransformation  # over layout's view
+    layout: ParamLayout
+    learning_rates: dict[str, float]  # peak learning rate of each group
+    lr_multiplier: Callable  # step -> multiplier of every group's learning rate
+    muon_momentum: Callable  # step -> Muon's momentum
+    weight_decay: Callable  # step -> Muon's (scaled, decaying) weight decay
+
+    @classmethod
+    def of_transform(cls, tx: optax.GradientTransformation, params, mesh: Mesh | None = None) -> "Optimizer":
+        """Any optax transformation over the same view (e.g. optax.sgd in tests); no schedules."""
+        shards = mesh.shape[DATA_AXIS] if mesh is not None else 1
+        constant = lambda step: jnp.zeros(jnp.shape(step))  # noqa: E731
+        return cls(tx, ParamLayout(params, shards), {}, constant, constant, constant)
+
+    def init(self, params):
+        return self.tx.init(self.layout.to_view(params))
+
+    def update(self, grads, state, params):
+        """As an optax transformation over the parameters themselves: (updates, new state). The train
+        step works on the view directly, so that gradients arrive in it reduce-scattered."""
+        updates, state = self.tx.update(self.layout.to_view(grads), state, self.layout.to_view(params))
+        return self.layout.from_view(updates), state
+
+    def schedules_at(self, steps) -> dict[str, np.ndarray]:
+        """The values of the schedules at these steps (host arrays, for logging)."""
+        steps = np.asarray(steps)
+        return {"lrm": np.asarray(self.lr_multiplier(steps)), "muon_momentum": np.asarray(self.muon_momentum(steps)),
+                "weight_decay": np.asarray(self.weight_decay(steps))}
+
+    def state_axes(self, opt_state, param_axes: list[tuple]) -> list[tuple]:
+        """Logical axes of every optimizer-state leaf (a list in leaf order): those of the view leaf it
+        belongs to, found as the end of its path (mu, nu and momentum are view-shaped trees); none for
+        step counts."""
+        view_axes = {tuple(str(_key_name(k)) for k in path): axes
+                     for path, axes in jax.tree_util.tree_flatten_with_path(
+                         self.layout.view_axes(param_axes), is_leaf=lambda x: isinstance(x, tuple))[0]}
+
+        def axes_of(path, leaf):
+            names = tuple(str(_key_name(k)) for k in path)
+            for start in range(len(names)):
+                if names[start:] in view_axes:
+                    return view_axes[names[start:]]
+            return (None,) * len(leaf.shape)
+
+        return [axes_of(path, leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]]
+
+
 def setup_optimizer(
-    params=None,
+    params,
     *,
     model_dim: int,
     depth: int,
@@ -135,29 +268,22 @@ def setup_optimizer(
     final_lr_frac: float = 0.0,
     mesh: Mesh | None = None,
     print_fn: Callable[[str], None] | None = None,
-) -> optax.GradientTransformation:
-    """nanochat's two optimizers as one optax transformation over the model's parameter pytree.
-
-    The keyword arguments are base_train.py's flags; the scaling rules and schedules are applied here.
-    params: the parameters or their shapes (optional): checked now that every one has a group (else
-    at init), and counted in what print_fn prints.
-    mesh: Muon's orthogonalisation is split over its 'data' axis (as nanochat's DistMuon).
-    print_fn: prints the scaling rules and the groups (e.g. print0).
-    """
+) -> Optimizer:
+    """nanochat's Muon + AdamW for the model's parameters (arrays or their shapes: every one must have a
+    group, checked now). The keyword arguments are base_train.py's flags; the scaling rules and
+    schedules are applied here. mesh: Muon's stacks split over its 'data' axis (nanochat's DistMuon).
+    print_fn: prints the scaling rules and the groups (e.g. print0)."""
     if num_iterations <= 0:
         raise ValueError(f"num_iterations must be positive, got {num_iterations}")
-    if params is not None:
-        label_params(params)  # fail now, naming the parameter, rather than inside jit
-    lrs = group_learning_rates(
-        model_dim=model_dim,
-        total_batch_size=total_batch_size,
-        unembedding_lr=unembedding_lr,
-        embedding_lr=embedding_lr,
-        matrix_lr=matrix_lr,
-        scalar_lr=scalar_lr,
-    )
+    for name, value in (("unembedding_lr", unembedding_lr), ("embedding_lr", embedding_lr), ("matrix_lr", matrix_lr),
+                        ("scalar_lr", scalar_lr), ("weight_decay", weight_decay)):
+        if value < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+    shards = mesh.shape[DATA_AXIS] if mesh is not None else 1
+    layout = ParamLayout(params, shards)
+    lrs = group_learning_rates(model_dim=model_dim, total_batch_size=total_batch_size, unembedding_lr=unembedding_lr,
+                               embedding_lr=embedding_lr, matrix_lr=matrix_lr, scalar_lr=scalar_lr)
     wd = scaled_weight_decay(weight_decay, depth)
-    shard = (mesh, DATA_AXIS) if mesh is not None and mesh.shape.get(DATA_AXIS, 1) > 1 else None
     if print_fn is not None:
         if total_batch_size != REFERENCE_BATCH_SIZE:
             print_fn(f"Scaling LRs by {batch_lr_scale(total_batch_size):.4f} for batch size {total_batch_size:,} "
@@ -166,42 +292,33 @@ def setup_optimizer(
             print_fn(f"Scaling weight decay from {weight_decay:.6f} to {wd:.6f} for depth {depth}")
         print_fn(f"Scaling the LR for the AdamW parameters ∝1/√({model_dim}/{REFERENCE_MODEL_DIM}) = "
                  f"{(model_dim / REFERENCE_MODEL_DIM) ** -0.5:.6f}")
-        for line in describe_param_groups(lrs, params):
+        for line in describe_param_groups(lrs, layout):
             print_fn(line)
-        if shard is not None:
-            print_fn(f"Muon: each stacked group's orthogonalisation is split over {mesh.shape[DATA_AXIS]} devices")
+
+    def lrm(step):
+        return lr_multiplier(step, num_iterations, warmup_ratio, warmdown_ratio, final_lr_frac)
+
+    def decay(step):
+        return weight_decay_at(step, wd, num_iterations)
 
     def scheduled(peak_lr: float) -> Callable:
-        return lambda count: peak_lr * lr_multiplier(count, num_iterations, warmup_ratio, warmdown_ratio, final_lr_frac)
+        return lambda count: peak_lr * lrm(count)
 
     b1, b2 = adam_betas
-    transforms = {
-        name: optax.adam(scheduled(lrs[name]), b1=b1, b2=b2, eps=ADAM_EPS) for name in ADAMW_GROUPS
-    }
-    transforms[MUON_GROUP] = muon(
-        learning_rate=scheduled(lrs[MUON_GROUP]),
-        momentum=muon_momentum,
-        weight_decay=lambda count: weight_decay_at(count, wd, num_iterations),
-        shard=shard,
-    )
-    return optax.partition(transforms, label_params)
+    transforms = {name: optax.adam(scheduled(lrs[name]), b1=b1, b2=b2, eps=ADAM_EPS) for name in ADAMW_GROUPS}
+    transforms[MUON_GROUP] = muon(learning_rate=scheduled(lrs[MUON_GROUP]), momentum=muon_momentum, weight_decay=decay)
+    tx = optax.partition(transforms, layout.view_labels())
+    return Optimizer(tx, layout, lrs, lrm, muon_momentum, decay)
 
 
-def describe_param_groups(learning_rates: dict[str, float], params=None) -> list[str]:
-    """One line per group: its peak lr, and with params its tensors, elements and Muon's stacked shapes."""
-    labels = jax.tree.leaves(label_params(params)) if params is not None else []
-    leaves = jax.tree.leaves(params) if params is not None else []
+def describe_param_groups(learning_rates: dict[str, float], layout: ParamLayout) -> list[str]:
+    """One line per group: its peak lr, its tensors and elements, and Muon's stacks with their padding."""
     lines = []
     for name in (MUON_GROUP, *ADAMW_GROUPS):
-        line = f"{name:>13}: lr {learning_rates[name]:<11.6g}"
-        if params is not None:
-            members = [p for p, label in zip(leaves, labels) if label == name]
-            numel = sum(math.prod(p.shape) for p in members)
-            line += f" | {len(members):3d} tensors, {numel:>13,} params"
-            if name == MUON_GROUP:
-                stacks: dict[tuple, int] = {}
-                for p in members:  # a leading layer axis counts as that many matrices
-                    stacks[p.shape[-2:]] = stacks.get(p.shape[-2:], 0) + math.prod(p.shape[:-2])
-                line += " | stacked " + ", ".join(f"{n}x{r}x{c}" for (r, c), n in stacks.items())
-        lines.append(line.rstrip())
+        members = [i for i, label in enumerate(layout.labels) if label == name]
+        numel = sum(math.prod(layout.shapes[i]) for i in members)
+        line = f"{name:>13}: lr {learning_rates[name]:<11.6g} | {len(members):3d} tensors, {numel:>13,} params"
+        if name == MUON_GROUP:
+            line += " | stacked " + ", ".join(f"{layout.stack_len(key)}x{key}" for key in layout.groups)
+        lines.append(line)
     return lines

@@ -68,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     jax_group.add_argument("--keep-checkpoints", type=int, default=-1, help="keep only the newest N checkpoints (-1 = all)")
     jax_group.add_argument("--attention", type=str, default="auto", choices=["auto", "cudnn", "xla"], help="attention kernel (auto: cudnn on NVIDIA GPUs, xla elsewhere)")
     jax_group.add_argument("--loader-workers", type=int, default=4, help="threads reading and tokenising data")
+    jax_group.add_argument("--remat", type=str, default="dots", choices=["none", "dots", "block"], help="what each block keeps for the backward pass: everything, matmul outputs, or its input only (dots: d20 at device batch 32 fits 80 GB)")
+    jax_group.add_argument("--loss-chunk-len", type=int, default=128, help="positions per chunk of the loss head (float32 logits of one chunk at a time)")
     return parser.parse_args(argv)
 
 
@@ -79,7 +81,7 @@ def fail(message: str) -> None:
 
 def validate_args(args: argparse.Namespace) -> None:
     """Everything that can be checked before any device is touched."""
-    for name in ("depth", "aspect_ratio", "head_dim", "max_seq_len", "device_batch_size", "total_batch_size"):
+    for name in ("depth", "aspect_ratio", "head_dim", "max_seq_len", "device_batch_size", "total_batch_size", "loss_chunk_len"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
     if args.device_type not in ("", "cuda", "gpu", "cpu", "tpu"):
@@ -134,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     from jaxchat.gpt import GPTConfig, estimate_flops, find_num_heads
     from jaxchat.loss_eval import evaluate_bpb
     from jaxchat.mesh import batch_sharding, make_mesh, put_batch
-    from jaxchat.optim import lr_multiplier, muon_momentum, scaled_weight_decay, setup_optimizer, weight_decay_at
+    from jaxchat.optim import setup_optimizer
     from jaxchat.report import get_report
     from jaxchat.tokenizer import get_token_bytes, get_tokenizer
     from jaxchat.trainer import abstract_model, abstract_train_state, init_train_state, make_train_step
@@ -203,7 +205,9 @@ def main(argv: list[str] | None = None) -> None:
                                n_head=num_heads, n_kv_head=num_kv_heads, n_embd=model_dim,
                                window_pattern=args.window_pattern)
     model_config = GPTConfig(**model_config_kwargs)
-    model_kwargs = {} if args.attention == "auto" else {"attention_implementation": args.attention}
+    model_kwargs = {"remat": args.remat, "loss_chunk_len": args.loss_chunk_len}
+    if args.attention != "auto":
+        model_kwargs["attention_implementation"] = args.attention
     model_shapes = abstract_model(model_config, **model_kwargs)  # ShapeDtypeStructs only: nothing allocated
     num_params = model_shapes.num_scaling_params()
     num_scaling_params = num_params
@@ -230,14 +234,17 @@ def main(argv: list[str] | None = None) -> None:
     print0(f"Tokens : Params ratio: {args.total_batch_size * num_iterations / num_scaling_params:.2f}")
     print0(f"Total training FLOPs estimate: {num_flops_per_token * total_tokens:e}")
 
-    optimizer = setup_optimizer(
-        nnx.state(model_shapes, nnx.Param),  # every parameter must land in a group: checked now
-        model_dim=model_dim, depth=num_layers, num_iterations=num_iterations, total_batch_size=args.total_batch_size,
-        unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr, matrix_lr=args.matrix_lr,
-        scalar_lr=args.scalar_lr, weight_decay=args.weight_decay, adam_betas=(args.adam_beta1, args.adam_beta2),
-        warmup_ratio=args.warmup_ratio, warmdown_ratio=args.warmdown_ratio, final_lr_frac=args.final_lr_frac,
-        mesh=mesh, print_fn=print0,
-    )
+    try:
+        optimizer = setup_optimizer(
+            nnx.state(model_shapes, nnx.Param),  # every parameter must land in a group: checked now
+            model_dim=model_dim, depth=num_layers, num_iterations=num_iterations, total_batch_size=args.total_batch_size,
+            unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr, matrix_lr=args.matrix_lr,
+            scalar_lr=args.scalar_lr, weight_decay=args.weight_decay, adam_betas=(args.adam_beta1, args.adam_beta2),
+            warmup_ratio=args.warmup_ratio, warmdown_ratio=args.warmdown_ratio, final_lr_frac=args.final_lr_frac,
+            mesh=mesh, print_fn=print0,
+        )
+    except ValueError as e:
+        fail(str(e))
     resuming = args.resume_from_step != -1
     state = abstract_train_state(model_config, optimizer, mesh, fsdp=args.fsdp, seed=args.seed, **model_kwargs)
 
@@ -310,11 +317,9 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(sig, on_signal)
 
     batch_spec = batch_sharding(mesh)
-    # The schedules' values at every step, for logging: computed once, read on the host without a device op
-    all_steps = np.arange(num_iterations + 1)
-    lrm_table = np.asarray(lr_multiplier(all_steps, num_iterations, args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac))
-    momentum_table = np.asarray(muon_momentum(all_steps))
-    weight_decay_table = np.asarray(weight_decay_at(all_steps, scaled_weight_decay(args.weight_decay, args.depth), num_iterations))
+    # The optimizer's own schedules at every step, for logging: computed once, read on the host without a device op
+    schedules = optimizer.schedules_at(np.arange(num_iterations + 1))
+    lrm_table, momentum_table, weight_decay_table = (schedules[k] for k in ("lrm", "muon_momentum", "weight_decay"))
     peak_flops = peak_flops_per_device(mesh.devices.flat[0])
     ema_beta = 0.9  # EMA decay factor for some smoothing just for nicer logging
     results = {}

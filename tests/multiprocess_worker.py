@@ -13,12 +13,14 @@ import jax  # noqa: E402
 from jaxchat.gpt import GPTConfig  # noqa: E402
 from jaxchat.mesh import batch_sharding, make_mesh, put_batch  # noqa: E402
 from jaxchat.optim import setup_optimizer  # noqa: E402
-from jaxchat.trainer import init_train_state, make_train_step  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jaxchat.trainer import abstract_model, init_train_state, make_train_step  # noqa: E402
 
 config = GPTConfig(sequence_len=32, vocab_size=256, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
 mesh = make_mesh()
 assert mesh.devices.size == 4, mesh
-optimizer = setup_optimizer(model_dim=config.n_embd, depth=config.n_layer, num_iterations=5,
+optimizer = setup_optimizer(nnx.state(abstract_model(config), nnx.Param), model_dim=config.n_embd, depth=config.n_layer, num_iterations=5,
                             total_batch_size=8 * config.sequence_len, mesh=mesh)
 state = init_train_state(config, optimizer, mesh, seed=1)
 step = make_train_step(state, optimizer, mesh)

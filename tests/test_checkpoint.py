@@ -27,8 +27,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxchat import checkpoint as ckpt
 from jaxchat.common import tree_nbytes
 from jaxchat.gpt import GPT, GPTConfig
-from jaxchat.mesh import make_mesh, replicated, sharded
+from jaxchat.mesh import make_mesh, put_batch, batch_sharding, replicated
 from jaxchat.optim import setup_optimizer
+from jaxchat.trainer import abstract_model, abstract_train_state, init_train_state, make_train_step
 from jaxchat.tokenizer import Tokenizer
 
 CONFIG = GPTConfig(sequence_len=16, vocab_size=300, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
@@ -51,6 +52,14 @@ def _trained_state(seed: int, steps: int):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
     return params, opt_state
+
+
+def sharded(tree, mesh):
+    """Each leaf split over 'data' on its first dimension the mesh divides (any layout will do here)."""
+    def spec(x):
+        dims = [i for i, size in enumerate(x.shape) if size % mesh.shape["data"] == 0]
+        return P(*[("data" if i == dims[0] else None) for i in range(len(x.shape))]) if dims else P()
+    return jax.tree.map(lambda x: NamedSharding(mesh, spec(x)), tree)
 
 
 def host_copy(tree) -> list[np.ndarray]:
@@ -185,6 +194,38 @@ def test_saved_on_8_devices_restored_on_fewer(tmp_path, devices):
     assert_tree_equal(got_opt, opt_ref)
     for x, s in zip(jax.tree.leaves((got_params, got_opt)), jax.tree.leaves((p_shard, o_shard))):
         assert x.sharding == s and len(x.sharding.device_set) == devices
+
+
+def test_muon_stacks_saved_on_8_devices_resume_on_3(tmp_path):
+    """Muon's stacks are padded to a multiple of the device count (2 matrices -> 8 on 8 devices, 3 on 3):
+    a train state saved on 8 devices restores on 3 with the same matrices and zero padding."""
+    def train_state(mesh):
+        params = nnx.state(abstract_model(CONFIG), nnx.Param)
+        opt = setup_optimizer(params, model_dim=CONFIG.n_embd, depth=CONFIG.n_layer, num_iterations=10,
+                              total_batch_size=24 * CONFIG.sequence_len, mesh=mesh)
+        return opt, abstract_train_state(CONFIG, opt, mesh)
+
+    mesh8 = make_mesh(8)
+    opt8, _ = train_state(mesh8)
+    state = init_train_state(CONFIG, opt8, mesh8)
+    tokens = np.random.default_rng(0).integers(0, CONFIG.vocab_size, (1, 24, CONFIG.sequence_len)).astype(np.int32)
+    batch = put_batch(tokens, batch_sharding(mesh8))
+    state.params, state.opt_state, _ = make_train_step(state, opt8, mesh8)(state.params, state.opt_state, batch, batch)
+    saved = opt8.layout.from_view(state.opt_state.inner_states["muon"].inner_state.momentum)
+    with ckpt.Checkpointer(str(tmp_path)) as saver:
+        saver.save(1, state.params, state.opt_state, None, training_meta())
+    opt3, target = train_state(make_mesh(3))
+    with ckpt.Checkpointer(str(tmp_path)) as loader:
+        params, opt_state, _ = loader.restore(1, target.params, target.opt_state, target.param_shardings,
+                                              target.opt_shardings)
+    momentum = opt_state.inner_states["muon"].inner_state.momentum["muon"]
+    assert momentum["64x256"].shape == (3, 64, 256)  # 2 c_fc kernels + 1 zero matrix
+    assert np.all(np.asarray(momentum["64x256"][2]) == 0)
+    restored = opt3.layout.from_view(opt_state.inner_states["muon"].inner_state.momentum)
+    leaves = lambda t: jax.tree.leaves(t, is_leaf=lambda x: isinstance(x, optax.MaskedNode))  # noqa: E731
+    for a, b in zip(leaves(restored), leaves(saved)):
+        if not isinstance(a, optax.MaskedNode):
+            np.testing.assert_array_equal(a, b)  # the same numbers, moved: no arithmetic
 
 
 def test_replicated_save_restored_fsdp(tmp_path):

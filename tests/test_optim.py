@@ -15,7 +15,7 @@ from jaxchat.gpt import GPT, GPTConfig
 from jaxchat.optim import (
     describe_param_groups,
     group_learning_rates,
-    label_params,
+    ParamLayout,
     lr_multiplier,
     muon_momentum,
     scaled_weight_decay,
@@ -98,25 +98,34 @@ def test_scaling_rules():
 # ---- parameter groups ----------------------------------------------------------------------------
 def test_every_parameter_of_the_gpt_gets_its_group():
     params = tiny_params()
-    labels = dict(zip(names(params), jax.tree.leaves(label_params(params))))
+    labels = dict(zip(names(params), ParamLayout(params).labels))
     assert labels.pop("wte/embedding") == "wte"
     assert labels.pop("lm_head/kernel") == "lm_head"
     assert labels.pop("resid_lambdas") == "resid_lambdas"
     assert labels.pop("x0_lambdas") == "x0_lambdas"
     assert len(labels) == 6 * TINY.n_layer and set(labels.values()) == {"muon"}
     lines = describe_param_groups(group_learning_rates(model_dim=64, total_batch_size=2**19, unembedding_lr=0.004,
-                                                       embedding_lr=0.3, matrix_lr=0.02, scalar_lr=0.5), params)
+                                                       embedding_lr=0.3, matrix_lr=0.02, scalar_lr=0.5), ParamLayout(params))
     assert "12 tensors" in lines[0] and "8x64x64, 2x64x256, 2x256x64" in lines[0]
+    # on 8 devices each stack is padded with zero matrices to a multiple of 8
+    assert "8x64x64, 8x64x256, 8x256x64" in describe_param_groups(
+        group_learning_rates(model_dim=64, total_batch_size=2**19, unembedding_lr=0.004, embedding_lr=0.3,
+                             matrix_lr=0.02, scalar_lr=0.5), ParamLayout(params, num_shards=8))[0]
 
 
 def test_unlabelled_parameter_is_an_error_that_names_it():
     params = {"wte": {"embedding": jnp.zeros((8, 4))}, "value_embeds": {"0": jnp.zeros((8, 4))}}
     with pytest.raises(ValueError, match="value_embeds/0"):
         setup_optimizer(params, model_dim=4, depth=1, num_iterations=10, total_batch_size=2**19)
-    # a vector inside the blocks is not a matrix for Muon either; caught at init without params
-    tx = setup_optimizer(model_dim=4, depth=1, num_iterations=10, total_batch_size=2**19)
+    # a vector inside the blocks is not a matrix for Muon either
     with pytest.raises(ValueError, match="blocks/0/norm/scale"):
-        tx.init({"blocks": [{"norm": {"scale": jnp.zeros((4,))}}]})
+        setup_optimizer({"blocks": [{"norm": {"scale": jnp.zeros((4,))}}]}, model_dim=4, depth=1, num_iterations=10,
+                        total_batch_size=2**19)
+
+
+def test_negative_learning_rates_are_refused():
+    with pytest.raises(ValueError, match="--matrix-lr must be >= 0"):
+        setup_optimizer(tiny_params(), model_dim=64, depth=2, num_iterations=10, total_batch_size=2**19, matrix_lr=-0.02)
 
 
 # ---- AdamW and Muon groups against float64 references ----------------------------------------------
@@ -179,7 +188,8 @@ def test_groups_match_references_with_their_own_learning_rates():
                              for (w, m, s2), gm in zip(ref[name], torch_matrices(g))]
 
     muon_state = state.inner_states["muon"].inner_state
-    momenta = dict(zip(leaf_names, jax.tree.leaves(muon_state.momentum, is_leaf=lambda x: isinstance(x, optax.MaskedNode))))
+    momentum = tx.layout.from_view(muon_state.momentum)  # the state lives in the view: back to the parameters
+    momenta = dict(zip(leaf_names, jax.tree.leaves(momentum, is_leaf=lambda x: isinstance(x, optax.MaskedNode))))
     for name, p0, p in zip(leaf_names, jax.tree.leaves(params0), jax.tree.leaves(params)):
         if name in peak:
             np.testing.assert_allclose(np.asarray(p, np.float64), ref[name][0], rtol=2e-5, atol=1e-6, err_msg=name)
@@ -195,9 +205,9 @@ def test_groups_match_references_with_their_own_learning_rates():
 def test_hyperparameters_change_per_step_without_recompiling():
     """A constant gradient makes each Adam step lr_t · sign(g): the scalar groups show the LR schedule."""
     N = 6  # warmup round(0.34 * 6) = 2 steps, warmdown round(0.5 * 6) = 3 steps
-    tx = setup_optimizer(model_dim=64, depth=2, num_iterations=N, total_batch_size=2**19,
-                         warmup_ratio=0.34, warmdown_ratio=0.5, final_lr_frac=0.0)
     params = tiny_params()
+    tx = setup_optimizer(params, model_dim=64, depth=2, num_iterations=N, total_batch_size=2**19,
+                         warmup_ratio=0.34, warmdown_ratio=0.5, final_lr_frac=0.0)
     traces = 0
 
     def counted_update(grads, state, params):
@@ -214,18 +224,24 @@ def test_hyperparameters_change_per_step_without_recompiling():
         steps.append(-float(updates["x0_lambdas"][0]))
     assert traces == 1
     np.testing.assert_allclose(steps, 0.5 * np.array([1 / 2, 1, 1, 1, 2 / 3, 1 / 3]), rtol=1e-5)
+    # the schedules the optimizer reports for logging are the ones it trains with
+    np.testing.assert_allclose(tx.schedules_at(np.arange(N))["lrm"], [1 / 2, 1, 1, 1, 2 / 3, 1 / 3], rtol=1e-6)
 
 
-def test_mesh_splits_muon_with_the_same_result():
-    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
-    hyper = dict(model_dim=64, depth=2, num_iterations=10, total_batch_size=2**19)
+def test_view_round_trips_and_padding_stays_zero():
+    """The optimizer's view (Muon's stacks padded for 8 devices) holds every parameter exactly once, and
+    the zero matrices that pad a stack get zero updates."""
     params = tiny_params()
-    grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.01) + p, params)
-    results = []
-    for tx in (setup_optimizer(params, **hyper), setup_optimizer(params, **hyper, mesh=mesh)):
-        results.append(jax.jit(tx.update)(grads, tx.init(params), params))
-    for a, b in zip(*(jax.tree.leaves(r) for r in results)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-9)
+    layout = ParamLayout(params, num_shards=8)
+    view = layout.to_view(params)
+    assert view["muon"]["64x256"].shape == (8, 64, 256)  # 2 kernels + 6 zero matrices
+    for a, b in zip(jax.tree.leaves(layout.from_view(view)), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(a, b)  # slicing and stacking: no arithmetic
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    tx = setup_optimizer(params, model_dim=64, depth=2, num_iterations=10, total_batch_size=2**19, mesh=mesh)
+    grads = layout.to_view(jax.tree.map(lambda p: jnp.full(p.shape, 0.01) + p, params))
+    updates, _ = jax.jit(tx.tx.update)(grads, tx.tx.init(view), view)
+    assert np.all(np.asarray(updates["muon"]["64x256"][2:]) == 0)
 
 
 # ---- end to end: a tiny GPT memorises a batch ------------------------------------------------------

@@ -13,18 +13,27 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from flax import nnx
+
 from jaxchat.gpt import GPTConfig
-from jaxchat.mesh import batch_sharding, make_mesh, put_batch, shard_spec
-from jaxchat.optim import setup_optimizer
-from jaxchat.trainer import init_train_state, make_train_step
+from jaxchat.mesh import SHARDED, batch_sharding, logical_to_spec, make_mesh, put_batch
+from jaxchat.optim import Optimizer, setup_optimizer
+from jaxchat.trainer import abstract_model, init_train_state, make_train_step
 
 CONFIG = GPTConfig(sequence_len=32, vocab_size=256, n_layer=2, n_head=2, n_kv_head=2, n_embd=64, window_pattern="SL")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+PARAMS = nnx.state(abstract_model(CONFIG), nnx.Param)  # shapes only
+
+
 def real_optimizer(mesh, num_iterations=10, **kwargs):
-    return setup_optimizer(model_dim=CONFIG.n_embd, depth=CONFIG.n_layer, num_iterations=num_iterations,
+    return setup_optimizer(PARAMS, model_dim=CONFIG.n_embd, depth=CONFIG.n_layer, num_iterations=num_iterations,
                            total_batch_size=4 * CONFIG.sequence_len, mesh=mesh, **kwargs)
+
+
+def sgd(mesh):
+    return Optimizer.of_transform(optax.sgd(1.0), PARAMS, mesh)
 
 
 def random_batch(shape, seed=0):
@@ -46,7 +55,7 @@ def perturb(params, seed=0):
 
 def initial_params():
     """What every run_steps starts from, on the host."""
-    return perturb(jax.device_get(init_train_state(CONFIG, optax.sgd(1.0), make_mesh(1), seed=3).params))
+    return perturb(jax.device_get(init_train_state(CONFIG, sgd(make_mesh(1)), make_mesh(1), seed=3).params))
 
 
 def run_steps(mesh, optimizer, batches, fsdp=False):
@@ -76,13 +85,14 @@ def assert_same_update(initial, a, b):
         assert np.abs(x - y).max() <= 0.05 * change + 1e-7
 
 
-def test_shard_spec_rule():
-    assert shard_spec((64, 256), 8) == P(None, "data")
-    assert shard_spec((256, 64), 8) == P("data", None)
-    assert shard_spec((3,), 8) == P()
-    assert shard_spec((), 8) == P()
-    assert shard_spec((12, 20), 8) == P()  # nothing divisible: replicated
-    assert shard_spec((64, 256), 1) == P()
+def test_logical_axes_rules():
+    mesh = make_mesh(8)
+    assert logical_to_spec(("embed", "mlp"), (64, 256), SHARDED, mesh) == P("data", None)
+    assert logical_to_spec(("mlp", "embed"), (256, 64), SHARDED, mesh) == P(None, "data")
+    assert logical_to_spec(("vocab", "embed"), (256, 64), SHARDED, mesh) == P("data", None)  # one dim per mesh axis
+    assert logical_to_spec(("layers",), (3,), SHARDED, mesh) == P(None)  # not divisible: replicated
+    assert logical_to_spec(("matrices", None, None), (24, 64, 64), SHARDED, mesh) == P("data", None, None)
+    assert logical_to_spec(("embed", "mlp"), (64, 256), {}, mesh) == P(None, None)
 
 
 def test_accumulation_equals_one_big_batch():
@@ -90,9 +100,8 @@ def test_accumulation_equals_one_big_batch():
     parameter change the gradient itself) and the parameters after the update."""
     mesh = make_mesh(1)
     x, y = random_batch((1, 4, CONFIG.sequence_len))
-    sgd = optax.sgd(1.0)
-    big, big_losses = run_steps(mesh, sgd, [(x, y)])
-    small, small_losses = run_steps(mesh, sgd, [(x.reshape(4, 1, -1), y.reshape(4, 1, -1))])
+    big, big_losses = run_steps(mesh, sgd(mesh), [(x, y)])
+    small, small_losses = run_steps(mesh, sgd(mesh), [(x.reshape(4, 1, -1), y.reshape(4, 1, -1))])
     np.testing.assert_allclose(small_losses, big_losses, rtol=1e-6)
     init = initial_params()
     for p0, a, b in zip(host(init), host(big.params), host(small.params)):
@@ -112,14 +121,15 @@ def test_eight_devices_equal_one(fsdp):
     multi, multi_losses = run_steps(mesh, real_optimizer(mesh, weight_decay=0.0), batches, fsdp=fsdp)
     np.testing.assert_allclose(multi_losses, single_losses, rtol=1e-5)
     assert_same_update(initial_params(), multi.params, single.params)
-    # ZeRO-1: the optimizer's matrix buffers are split over the 8 devices, parameters replicated unless FSDP
+    # ZeRO-1: Muon's stacks (the 2 c_fc kernels, padded to 8 matrices) are split over the 8 devices by whole
+    # matrices; parameters replicated unless FSDP
     kernel = multi.params["blocks"][0]["mlp"]["c_fc"]["kernel"]
-    assert kernel.sharding.spec == (P(None, "data") if fsdp else P())
-    matrices = [x for x in jax.tree.leaves(multi.opt_state) if x.ndim == 2 and x.shape == kernel.shape]
-    assert matrices, "no optimizer buffer of the kernel's shape"
-    for buf in matrices:
-        assert buf.sharding.spec == P(None, "data")
-        assert buf.addressable_shards[0].data.shape == (64, 256 // 8)
+    assert kernel.sharding.spec == P("data", None) if fsdp else kernel.sharding.is_fully_replicated
+    stacks = [x for x in jax.tree.leaves(multi.opt_state) if x.shape == (8, 64, 256)]
+    assert stacks, "no stacked Muon buffer of the kernel's shape"
+    for buf in stacks:
+        assert buf.sharding.spec == P("data", None, None)
+        assert buf.addressable_shards[0].data.shape == (1, 64, 256)
 
 
 def test_no_recompilation_while_schedules_move(caplog):
