@@ -95,11 +95,18 @@ class DummyWandb:
         pass
 
 
+VERBOSE_ENV = "JAXCHAT_VERBOSE"
+
+
 def quiet_jax_warnings() -> None:
-    """Silence JAX/absl chatter that means nothing to a user; real errors still surface."""
+    """A script prints its own lines only: the libraries' log warnings (Orbax's through absl, e.g.
+    "read_only=True, setting save_interval_steps=0", JAX's, XLA's) are hidden and their errors still
+    surface. JAXCHAT_VERBOSE=1 leaves the libraries' logging as it is."""
+    if os.environ.get(VERBOSE_ENV, "") not in ("", "0"):
+        return
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    logging.getLogger("absl").setLevel(logging.ERROR)
-    logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
+    for name in ("absl", "jax", "orbax"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     # Donating buffers that XLA cannot reuse (e.g. on CPU) is harmless.
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 

@@ -22,7 +22,6 @@ import math
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxchat.attention import cached_attention, causal_attention, default_implementation
@@ -336,53 +335,3 @@ def logical_axes(params: nnx.State) -> list[tuple[str, ...]]:
 def count_params(state) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(state))
 
-
-# ---- interop with nanochat's PyTorch state dict -------------------------------------------------
-# (nanochat name, path in our nnx state, transpose?) -- nanochat's Linear weights are (out, in).
-def _name_map(config: GPTConfig) -> list[tuple[str, tuple, bool]]:
-    names = [("transformer.wte.weight", ("wte", "embedding"), False)]
-    for i in range(config.n_layer):
-        for sub, layer in (("attn", "c_q"), ("attn", "c_k"), ("attn", "c_v"), ("attn", "c_proj"),
-                           ("mlp", "c_fc"), ("mlp", "c_proj")):
-            names.append((f"transformer.h.{i}.{sub}.{layer}.weight", ("blocks", i, sub, layer, "kernel"), True))
-    names.append(("lm_head.weight", ("lm_head", "kernel"), True))
-    names.append(("resid_lambdas", ("resid_lambdas",), False))
-    names.append(("x0_lambdas", ("x0_lambdas",), False))
-    return names
-
-
-def _get_path(tree, path):
-    for key in path:
-        tree = tree[key]
-    return tree
-
-
-def to_nanochat_state_dict(model: GPT) -> dict[str, np.ndarray]:
-    """nanochat's parameter names, PyTorch (out, in) layout, padded vocabulary rows kept; float32 numpy."""
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    out = {}
-    for name, path, transpose in _name_map(model.config):
-        value = np.asarray(jax.device_get(_get_path(params, path)), dtype=np.float32)
-        out[name] = np.ascontiguousarray(value.T) if transpose else value
-    return out
-
-
-def from_nanochat_state_dict(config: GPTConfig, state_dict: dict, **model_kwargs) -> GPT:
-    """The inverse of to_nanochat_state_dict: a GPT holding exactly those weights."""
-    expected = param_shapes(config)
-    missing = sorted(set(expected) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(expected))
-    if missing or unexpected:
-        raise ValueError(f"state dict does not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0), **model_kwargs))
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    for name, path, transpose in _name_map(config):
-        value = np.asarray(state_dict[name], dtype=np.float32)
-        if value.shape != expected[name]:
-            raise ValueError(f"{name}: shape {value.shape}, expected {expected[name]} for this config")
-        parent = _get_path(params, path[:-1])
-        parent[path[-1]] = jnp.asarray(value.T if transpose else value)
-    state = nnx.state(model, nnx.Param)
-    nnx.replace_by_pure_dict(state, params)
-    nnx.update(model, state)
-    return model

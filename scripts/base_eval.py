@@ -25,16 +25,17 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
 
 def load_checkpoint(args: argparse.Namespace):
     """Start JAX as the flags say and load (model, tokenizer, meta, model_tag), or exit saying what is missing."""
+    from jaxchat.common import quiet_jax_warnings
     from jaxchat.mesh import maybe_initialize_distributed
 
+    quiet_jax_warnings()  # first, so that starting the backend prints nothing of the libraries' either
     maybe_initialize_distributed()  # before anything touches a device
     select_platform(args.device_type)
 
     from jaxchat.checkpoint import CHECKPOINTS_SUBDIR, CheckpointError, find_model_tag, load_model
-    from jaxchat.common import get_base_dir, quiet_jax_warnings
+    from jaxchat.common import get_base_dir
     from jaxchat.tokenizer import get_tokenizer
 
-    quiet_jax_warnings()
     try:
         tokenizer = get_tokenizer()
         model_tag = args.model_tag or find_model_tag(os.path.join(get_base_dir(), CHECKPOINTS_SUBDIR))

@@ -1,34 +1,27 @@
-"""Move weights between jaxchat and nanochat.
+"""Move models between jaxchat and nanochat (nanochat at commit bdcc030, whose GPT jaxchat implements).
 
-Export a jaxchat checkpoint for nanochat's tools:
+Hand a base model to nanochat's later stages (midtraining, SFT, RL, chat):
 
-    python -m scripts.export [--model-tag d20] [--step 21400] [--output DIR]
+    python -m scripts.export --to-nanochat ~/.cache/nanochat [--model-tag d20] [--step 21400]
 
-writes DIR/model_<step:06d>.safetensors (nanochat's parameter names, PyTorch (out, in) layout,
-float32, padded vocabulary rows kept) and DIR/meta_<step:06d>.json (the keys nanochat's
-base_train.py writes; its loader reads model_config). DIR defaults to
-<base_dir>/nanochat_export/<model_tag>. nanochat reads model_<step>.pt with torch.load; torch is
-not a jaxchat dependency, so convert where torch is installed:
+writes what nanochat's load_model("base", ...) and get_tokenizer() read from that base directory:
+base_checkpoints/<tag>/model_<step:06d>.pt + meta_<step:06d>.json, and tokenizer/tokenizer.pkl +
+token_bytes.pt (kept if the same tokenizer is there already; another one is refused). Needs PyTorch:
+pip install -e '.[nanochat]'.
 
-    import torch
-    from safetensors.torch import load_file
-    torch.save(load_file("model_021400.safetensors"), "model_021400.pt")
+The weights alone, without PyTorch (safetensors, nanochat's names and layout, float32):
 
-and put model_021400.pt and meta_021400.json in ~/.cache/nanochat/base_checkpoints/d20/ (nanochat
-then loads it with `load_model("base", device, phase="eval")`; it also needs its tokenizer with
-the same vocabulary). nanochat's own checkpoints keep wte in bfloat16 on GPU; float32 loads the same.
+    python -m scripts.export [--output DIR]            # DIR: <base_dir>/nanochat_export/<tag>
 
-Import nanochat weights as a jaxchat checkpoint (weights only: it can be evaluated and sampled,
-not resumed, since nanochat's optimizer state does not map onto jaxchat's):
+Import nanochat weights as a jaxchat checkpoint (weights only: it can be evaluated and sampled, not
+resumed, since nanochat's optimizer state does not map onto jaxchat's):
 
-    python -m scripts.export --import model_021400.safetensors [--meta meta_021400.json] [--model-tag TAG] [--step N]
+    python -m scripts.export --import ~/.cache/nanochat/base_checkpoints/d20/model_021400.pt [--model-tag TAG] [--step N]
 
---meta defaults to meta_<step>.json beside the weights; the step to the meta's; the tag to
-d<n_layer>. From a nanochat .pt, make the safetensors file with torch first:
-
-    import torch
-    from safetensors.torch import save_file
-    save_file({k: v.contiguous() for k, v in torch.load("model_021400.pt", map_location="cpu").items()}, "model_021400.safetensors")
+The file is model_<step>.pt (needs PyTorch) or .safetensors; --meta defaults to meta_<step>.json beside
+it, --tokenizer to tokenizer/tokenizer.pkl of the nanochat base directory it lies in (if there): the
+tokenizer becomes <base_dir>/tokenizer (kept if the same one is there; another one is refused).
+The step defaults to the meta's, the tag to d<n_layer>.
 """
 
 import argparse
@@ -40,19 +33,48 @@ import re
 import safetensors.numpy
 from flax import nnx
 
-from jaxchat.checkpoint import CHECKPOINTS_SUBDIR, Checkpointer, find_model_tag, load_model
-from jaxchat.common import get_base_dir
-from jaxchat.gpt import GPTConfig, from_nanochat_state_dict, to_nanochat_state_dict
+from jaxchat.checkpoint import CHECKPOINTS_SUBDIR, CheckpointError, Checkpointer, find_model_tag, load_model, tokenizer_info
+from jaxchat.common import get_base_dir, quiet_jax_warnings
+from jaxchat.interop import (TOKEN_BYTES_PT, TOKENIZER_PICKLE, config_from_nanochat_meta, from_nanochat_state_dict,
+                             load_nanochat_state_dict, load_nanochat_tokenizer, nanochat_meta, save_nanochat_checkpoint,
+                             save_nanochat_tokenizer, to_nanochat_state_dict)
+from jaxchat.tokenizer import get_tokenizer
+from scripts.train import fail
 
-# What nanochat's base_train.py writes into meta_<step>.json, in its order.
-NANOCHAT_META_KEYS = ("step", "val_bpb", "model_config", "user_config", "device_batch_size", "max_seq_len",
-                      "dataloader_state_dict", "loop_state")
-TORCH_COMPILE_PREFIX = "_orig_mod."  # nanochat state dicts saved from a compiled model carry it
+def _holds_tokenizer(existing, tokenizer, where: str, what_to_do: str) -> bool:
+    """Whether `where` holds this tokenizer already (existing: what it holds, None if nothing). Another
+    one is refused: the models beside it were trained with that one."""
+    if existing is None:
+        return False
+    if tokenizer_info(existing) != tokenizer_info(tokenizer):
+        raise ValueError(f"{where} holds another tokenizer ({existing.get_vocab_size()} tokens) than this "
+                         f"model's ({tokenizer.get_vocab_size()}): {what_to_do}")
+    return True
+
+
+def export_to_nanochat(nanochat_dir: str, model_tag: str | None = None, step: int | None = None,
+                       base_dir: str | None = None) -> list[str]:
+    """Writes a jaxchat checkpoint and its tokenizer into a nanochat base directory; returns the files written."""
+    base_dir = base_dir or get_base_dir()
+    tokenizer = get_tokenizer(os.path.join(base_dir, "tokenizer"))
+    model_tag = model_tag or find_model_tag(os.path.join(base_dir, CHECKPOINTS_SUBDIR))
+    model, meta = load_model(model_tag, step, base_dir, tokenizer=tokenizer)
+    tokenizer_dir = os.path.join(nanochat_dir, "tokenizer")
+    pickle_path = os.path.join(tokenizer_dir, TOKENIZER_PICKLE)
+    existing = load_nanochat_tokenizer(pickle_path) if os.path.exists(pickle_path) else None
+    keep_tokenizer = _holds_tokenizer(existing, tokenizer, tokenizer_dir,
+                                      "export into another nanochat base dir, or move that tokenizer away")
+    written = list(save_nanochat_checkpoint(model, meta, meta["step"],
+                                            os.path.join(nanochat_dir, CHECKPOINTS_SUBDIR, model_tag)))
+    if not keep_tokenizer:
+        save_nanochat_tokenizer(tokenizer, tokenizer_dir)
+        written += [os.path.join(tokenizer_dir, TOKENIZER_PICKLE), os.path.join(tokenizer_dir, TOKEN_BYTES_PT)]
+    return written
 
 
 def export_checkpoint(model_tag: str | None = None, step: int | None = None, output: str | None = None,
                       base_dir: str | None = None) -> tuple[str, str]:
-    """Writes model_<step>.safetensors and meta_<step>.json for nanochat; returns their paths."""
+    """Writes model_<step>.safetensors and meta_<step>.json (no PyTorch needed); returns their paths."""
     base_dir = base_dir or get_base_dir()
     model_tag = model_tag or find_model_tag(os.path.join(base_dir, CHECKPOINTS_SUBDIR))
     model, meta = load_model(model_tag, step, base_dir)
@@ -62,82 +84,110 @@ def export_checkpoint(model_tag: str | None = None, step: int | None = None, out
     weights_path = os.path.join(output, f"model_{step:06d}.safetensors")
     meta_path = os.path.join(output, f"meta_{step:06d}.json")
     safetensors.numpy.save_file(to_nanochat_state_dict(model), weights_path)
-    # jaxchat's data loader state means nothing to nanochat's loader; the rest carries over as is
-    nanochat_meta = {key: meta.get(key) for key in NANOCHAT_META_KEYS if key != "dataloader_state_dict"}
-    nanochat_meta["dataloader_state_dict"] = None
-    nanochat_meta["model_config"] = dataclasses.asdict(GPTConfig(**meta["model_config"]))
     with open(meta_path, "w", encoding="utf-8") as f:
-        json.dump({key: nanochat_meta[key] for key in NANOCHAT_META_KEYS}, f, indent=2)
+        json.dump(nanochat_meta(meta, step), f, indent=2)
     return weights_path, meta_path
 
 
 def _default_meta_path(weights_path: str) -> str:
-    match = re.search(r"model_(\d+)\.safetensors$", os.path.basename(weights_path))
+    match = re.search(r"model_(\d+)\.(pt|safetensors)$", os.path.basename(weights_path))
     if not match:
-        raise ValueError(f"cannot tell the step of {weights_path} (not model_<step>.safetensors): pass --meta")
+        raise ValueError(f"cannot tell the step of {weights_path} (not model_<step>.pt or .safetensors): pass --meta")
     return os.path.join(os.path.dirname(weights_path), f"meta_{match.group(1)}.json")
 
 
-def _model_config(meta: dict, meta_path: str) -> GPTConfig:
-    config = dict(meta.get("model_config") or {})
-    if not config:
-        raise ValueError(f"{meta_path} has no model_config: it is not a nanochat meta file")
-    if "window_pattern" not in config:  # nanochat's own rule for checkpoints from before sliding windows
-        config["window_pattern"] = "L"
-        print("model_config has no window_pattern (an older nanochat model): using 'L', full attention")
-    unknown = sorted(set(config) - {f.name for f in dataclasses.fields(GPTConfig)})
-    if unknown:
-        raise ValueError(f"{meta_path}: model_config keys {unknown} are not part of jaxchat's GPT: this model "
-                         "has features jaxchat does not implement")
-    return GPTConfig(**config)
+def _default_tokenizer_path(weights_path: str) -> str | None:
+    """tokenizer/tokenizer.pkl of the nanochat base dir holding base_checkpoints/<tag>/model_<step>.pt, if any."""
+    nanochat_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(weights_path))))
+    path = os.path.join(nanochat_dir, "tokenizer", TOKENIZER_PICKLE)
+    return path if os.path.exists(path) else None
 
 
-def import_weights(weights_path: str, meta_path: str | None = None, model_tag: str | None = None,
-                   step: int | None = None, base_dir: str | None = None) -> str:
-    """Writes nanochat weights (safetensors) as a weights-only jaxchat checkpoint; returns its directory."""
+def import_weights(weights_path: str, meta_path: str | None = None, tokenizer_path: str | None = None,
+                   model_tag: str | None = None, step: int | None = None, base_dir: str | None = None) -> str:
+    """Writes nanochat weights (.pt or .safetensors) as a weights-only jaxchat checkpoint, and nanochat's
+    tokenizer (tokenizer_path; default: beside the weights in nanochat's layout, if there) as jaxchat's;
+    returns the checkpoint's directory."""
     meta_path = meta_path or _default_meta_path(weights_path)
     with open(meta_path, encoding="utf-8") as f:
-        nanochat_meta = json.load(f)
-    config = _model_config(nanochat_meta, meta_path)
-    step = step if step is not None else nanochat_meta.get("step")
+        source_meta = json.load(f)
+    config = config_from_nanochat_meta(source_meta, meta_path)
+    step = step if step is not None else source_meta.get("step")
     if step is None:
         raise ValueError(f"{meta_path} has no step: pass --step")
-    state_dict = {name.removeprefix(TORCH_COMPILE_PREFIX): value
-                  for name, value in safetensors.numpy.load_file(weights_path).items()}
-    model = from_nanochat_state_dict(config, state_dict)
-    directory = os.path.join(base_dir or get_base_dir(), CHECKPOINTS_SUBDIR, model_tag or f"d{config.n_layer}")
-    meta = {key: nanochat_meta[key] for key in ("val_bpb", "user_config", "device_batch_size", "max_seq_len", "loop_state")
-            if key in nanochat_meta}
-    meta.update(model_config=dataclasses.asdict(config), imported_from=os.path.abspath(weights_path), tokenizer=None)
+    model = from_nanochat_state_dict(config, load_nanochat_state_dict(weights_path))
+    base_dir = base_dir or get_base_dir()
+    tokenizer_path = tokenizer_path or _default_tokenizer_path(weights_path)
+    tokenizer_dir = os.path.join(base_dir, "tokenizer")
+    tokenizer, keep_tokenizer = None, False
+    if tokenizer_path:
+        tokenizer = load_nanochat_tokenizer(tokenizer_path)
+        if tokenizer.get_vocab_size() != config.vocab_size:
+            raise ValueError(f"{tokenizer_path} has {tokenizer.get_vocab_size()} tokens, the model {config.vocab_size}: "
+                             "pass the tokenizer the model was trained with (--tokenizer)")
+        try:
+            existing = get_tokenizer(tokenizer_dir)
+        except FileNotFoundError:
+            existing = None
+        keep_tokenizer = _holds_tokenizer(existing, tokenizer, tokenizer_dir,
+                                          "import into another base dir ($JAXCHAT_BASE_DIR), or move that tokenizer away")
+
+    directory = os.path.join(base_dir, CHECKPOINTS_SUBDIR, model_tag or f"d{config.n_layer}")
+    meta = {key: source_meta[key] for key in ("val_bpb", "user_config", "device_batch_size", "max_seq_len", "loop_state")
+            if key in source_meta}
+    meta.update(model_config=dataclasses.asdict(config), imported_from=os.path.abspath(weights_path),
+                tokenizer=tokenizer_info(tokenizer) if tokenizer is not None else None)
     with Checkpointer(directory, async_save=False) as checkpointer:
         if checkpointer.all_steps():
             raise ValueError(f"{directory} already holds checkpoints {checkpointer.all_steps()}: "
                              "import under another --model-tag")
+        if tokenizer is not None and not keep_tokenizer:
+            tokenizer.save(tokenizer_dir)
         checkpointer.save(step, nnx.state(model, nnx.Param), None, None, meta)
+    if tokenizer is None:
+        print(f"No nanochat tokenizer given (--tokenizer) or beside the weights: the one in {tokenizer_dir} "
+              "must be the model's")
+    else:
+        print(f"Tokenizer {tokenizer_path}: {'the same as' if keep_tokenizer else 'written to'} {tokenizer_dir}")
     return directory
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Export a jaxchat checkpoint for nanochat, or import nanochat weights")
+    parser = argparse.ArgumentParser(description="Hand a jaxchat checkpoint to nanochat, or import nanochat weights")
+    parser.add_argument("--to-nanochat", type=str, default=None, metavar="NANOCHAT_BASE_DIR",
+                        help="write the model and tokenizer into this nanochat base directory (e.g. ~/.cache/nanochat)")
     parser.add_argument("--model-tag", type=str, default=None, help="checkpoint directory name (default: the deepest d<N>)")
     parser.add_argument("--step", type=int, default=None, help="step to export (default: the newest complete one); "
                         "with --import: the step to file it under (default: the meta's)")
-    parser.add_argument("--output", type=str, default=None, help="export directory (default: <base_dir>/nanochat_export/<tag>)")
+    parser.add_argument("--output", type=str, default=None,
+                        help="write safetensors weights here (default: <base_dir>/nanochat_export/<tag>)")
     parser.add_argument("--import", dest="import_file", type=str, default=None,
-                        help="nanochat weights (model_<step>.safetensors) to import as a jaxchat checkpoint")
+                        help="nanochat weights (model_<step>.pt or .safetensors) to import as a jaxchat checkpoint")
     parser.add_argument("--meta", type=str, default=None, help="with --import: nanochat's meta JSON "
                         "(default: meta_<step>.json beside the weights)")
+    parser.add_argument("--tokenizer", type=str, default=None, help="with --import: nanochat's tokenizer.pkl "
+                        "(default: <nanochat base dir>/tokenizer/tokenizer.pkl when the weights lie in its base_checkpoints)")
     args = parser.parse_args(argv)
-    if args.import_file:
-        if args.output:
-            parser.error("--output is for exporting; an import goes to <base_dir>/base_checkpoints/<model tag>")
-        directory = import_weights(args.import_file, args.meta, args.model_tag, args.step)
-        print(f"Imported {args.import_file} into {directory}")
-    else:
-        if args.meta:
-            parser.error("--meta is for --import")
-        weights_path, meta_path = export_checkpoint(args.model_tag, args.step, args.output)
-        print(f"Wrote {weights_path}\nWrote {meta_path}")
+    modes = [flag for flag, value in (("--to-nanochat", args.to_nanochat), ("--output", args.output),
+                                      ("--import", args.import_file)) if value]
+    if len(modes) > 1:
+        parser.error(f"{' and '.join(modes)} do not go together: export one way or import")
+    if (args.meta or args.tokenizer) and not args.import_file:
+        parser.error("--meta and --tokenizer are for --import")
+
+    quiet_jax_warnings()
+    try:
+        if args.import_file:
+            directory = import_weights(args.import_file, args.meta, args.tokenizer, args.model_tag, args.step)
+            print(f"Imported {args.import_file} into {directory}")
+        elif args.to_nanochat:
+            for path in export_to_nanochat(args.to_nanochat, args.model_tag, args.step):
+                print(f"Wrote {path}")
+        else:
+            for path in export_checkpoint(args.model_tag, args.step, args.output):
+                print(f"Wrote {path}")
+    except (ValueError, OSError, ImportError, CheckpointError) as e:
+        fail(str(e))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The GPT against SPEC §1-4: counts, an independent float64 NumPy forward, windows, GQA, KV cache,
-losses, and the nanochat state-dict interop."""
+and losses (the nanochat state-dict interop: test_export.py)."""
 
 import math
 
@@ -11,14 +11,8 @@ import pytest
 from flax import nnx
 
 from jaxchat.attention import causal_attention
-from jaxchat.gpt import (
-    GPT,
-    CausalSelfAttention,
-    GPTConfig,
-    from_nanochat_state_dict,
-    param_shapes,
-    to_nanochat_state_dict,
-)
+from jaxchat.gpt import GPT, CausalSelfAttention, GPTConfig, param_shapes
+from jaxchat.interop import from_nanochat_state_dict, to_nanochat_state_dict
 
 TINY = GPTConfig(sequence_len=16, vocab_size=100, n_layer=3, n_head=4, n_kv_head=2, n_embd=32, window_pattern="SL")
 
@@ -252,33 +246,6 @@ def test_cache_longer_than_rotary_range_is_refused():
     model = GPT(TINY, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="rotary"):
         model.init_cache(1, 10 * TINY.sequence_len + 1)
-
-
-# ---- interop --------------------------------------------------------------------------------------
-def test_nanochat_state_dict_round_trip_is_exact():
-    model = randomized(TINY, seed=9)
-    sd = to_nanochat_state_dict(model)
-    expected = {
-        "transformer.wte.weight": (128, 32),
-        "transformer.h.0.attn.c_q.weight": (32, 32),
-        "transformer.h.0.attn.c_k.weight": (16, 32),
-        "transformer.h.0.attn.c_v.weight": (16, 32),
-        "transformer.h.2.attn.c_proj.weight": (32, 32),
-        "transformer.h.1.mlp.c_fc.weight": (128, 32),
-        "transformer.h.1.mlp.c_proj.weight": (32, 128),
-        "lm_head.weight": (128, 32),
-        "resid_lambdas": (3,),
-        "x0_lambdas": (3,),
-    }
-    assert len(sd) == 3 + 6 * TINY.n_layer + 1
-    for name, shape in expected.items():
-        assert sd[name].shape == shape and sd[name].dtype == np.float32
-    back = to_nanochat_state_dict(from_nanochat_state_dict(TINY, sd))
-    assert back.keys() == sd.keys()
-    for name in sd:
-        np.testing.assert_array_equal(back[name], sd[name])
-    with pytest.raises(ValueError, match="missing"):
-        from_nanochat_state_dict(TINY, {k: v for k, v in sd.items() if k != "lm_head.weight"})
 
 
 def test_bad_configs_are_refused():

@@ -1,0 +1,256 @@
+"""Interchange with nanochat: its parameter names and layout, and the files its later stages read.
+
+jaxchat's GPT is nanochat's at commit bdcc030 (karpathy/nanochat, January 2026); everything here
+follows that commit's nanochat/gpt.py, nanochat/checkpoint_manager.py, nanochat/tokenizer.py and
+scripts/base_train.py + tok_train.py. (Later nanochat commits changed the GPT, e.g. value embeddings,
+so their loader does not take these weights: continue in a checkout of that commit.)
+
+A nanochat base directory, as its load_model("base", ...) and get_tokenizer() read it:
+  base_checkpoints/<tag>/model_<step:06d>.pt   torch.save'd state dict, names below; Linear weights are
+                                               (out, in); wte bfloat16 (nanochat's init_weights casts it
+                                               on CUDA and build_model upcasts on CPU), the rest float32
+  base_checkpoints/<tag>/meta_<step:06d>.json  base_train.py's meta: model_config (GPTConfig's fields), ...
+  tokenizer/tokenizer.pkl                      the pickled tiktoken.Encoding (RustBPETokenizer.save)
+  tokenizer/token_bytes.pt                     int32 tensor, UTF-8 bytes of each decoded token, 0 for specials
+
+Names follow from the nnx parameter paths by rule: blocks.<i>.<sub>.<layer>.kernel is
+transformer.h.<i>.<sub>.<layer>.weight transposed (Flax kernels are (in, out)), wte.embedding is
+transformer.wte.weight, lm_head.kernel is lm_head.weight transposed, the lambdas keep their names.
+
+PyTorch is needed only for the .pt files (pip install -e '.[nanochat]'). jaxchat never runs pickle
+code: state dicts are read with torch.load(weights_only=True), and tokenizer.pkl by an unpickler
+that resolves the one class such a file names to a record of its data (see load_nanochat_tokenizer).
+"""
+
+import dataclasses
+import json
+import os
+import pickle
+
+import flax.traverse_util
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxchat.gpt import GPT, GPTConfig
+from jaxchat.tokenizer import Tokenizer
+
+NANOCHAT_COMMIT = "bdcc030"
+TORCH_COMPILE_PREFIX = "_orig_mod."  # nanochat state dicts saved from a compiled model carry it
+# What nanochat's base_train.py writes into meta_<step>.json, in its order.
+NANOCHAT_META_KEYS = ("step", "val_bpb", "model_config", "user_config", "device_batch_size", "max_seq_len",
+                      "dataloader_state_dict", "loop_state")
+# The fields of nanochat's GPTConfig (nanochat/gpt.py): its build_model passes model_config to it as is.
+NANOCHAT_CONFIG_KEYS = ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "window_pattern")
+TOKENIZER_PICKLE = "tokenizer.pkl"
+TOKEN_BYTES_PT = "token_bytes.pt"
+# nanochat's RustBPETokenizer names its encoding so; tiktoken pickles a registered name ("gpt2", ...)
+# by reference, so the name must not be one of tiktoken's own.
+ENCODING_NAME = "rustbpe"
+INSTALL_HINT = ("pip install -e '.[nanochat]' (CPU-only build: "
+                "pip install torch --index-url https://download.pytorch.org/whl/cpu)")
+
+_PREFIXES = {"wte": "transformer.wte", "blocks": "transformer.h"}
+_LEAVES = {"kernel": ("weight", True), "embedding": ("weight", False)}  # nnx leaf -> (torch leaf, transpose?)
+
+
+def import_torch():
+    """torch, or an ImportError saying how to install it (it is an optional dependency)."""
+    try:
+        import torch
+    except ImportError as e:
+        raise ImportError(f"nanochat's .pt files need PyTorch, which is not installed: {INSTALL_HINT}") from e
+    return torch
+
+
+# ---- parameter names and layout ------------------------------------------------------------------
+
+def nanochat_name(path: tuple) -> tuple[str, bool]:
+    """(nanochat's name, transpose?) of the nnx parameter at `path`, e.g. ('blocks', 0, 'attn', 'c_q',
+    'kernel') -> ('transformer.h.0.attn.c_q.weight', True)."""
+    parts = [str(p) for p in path]
+    parts[0] = _PREFIXES.get(parts[0], parts[0])
+    transpose = False
+    if parts[-1] in _LEAVES:
+        parts[-1], transpose = _LEAVES[parts[-1]]
+    return ".".join(parts), transpose
+
+
+def _flat_params(model: GPT) -> dict[tuple, jax.Array]:
+    return flax.traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+
+def to_nanochat_state_dict(model: GPT) -> dict[str, np.ndarray]:
+    """nanochat's parameter names, PyTorch (out, in) layout, padded vocabulary rows kept; float32 numpy."""
+    out = {}
+    for path, value in _flat_params(model).items():
+        name, transpose = nanochat_name(path)
+        value = np.asarray(jax.device_get(value), dtype=np.float32)
+        out[name] = np.ascontiguousarray(value.T) if transpose else value
+    return out
+
+
+def from_nanochat_state_dict(config: GPTConfig, state_dict: dict[str, np.ndarray], **model_kwargs) -> GPT:
+    """The inverse of to_nanochat_state_dict: a GPT of `config` holding exactly those weights (as float32)."""
+    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0), **model_kwargs))
+    names = {path: nanochat_name(path) for path in _flat_params(model)}
+    expected = {name for name, _ in names.values()}
+    missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+    if missing or unexpected:
+        raise ValueError(f"the weights do not match model_config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    flat = {}
+    for path, abstract in _flat_params(model).items():
+        name, transpose = names[path]
+        value = np.asarray(state_dict[name], dtype=np.float32)
+        value = value.T if transpose else value
+        if value.shape != abstract.shape:
+            shape = value.shape[::-1] if transpose else value.shape
+            wanted = abstract.shape[::-1] if transpose else abstract.shape
+            raise ValueError(f"{name}: shape {shape}, expected {wanted} for this model_config")
+        flat[path] = jnp.asarray(value)
+    state = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(state, flax.traverse_util.unflatten_dict(flat))
+    nnx.update(model, state)
+    return model
+
+
+# ---- meta_<step>.json ----------------------------------------------------------------------------
+
+def nanochat_meta(meta: dict, step: int) -> dict:
+    """nanochat's meta for a jaxchat checkpoint's meta: base_train.py's keys in its order. The data
+    loader's state means nothing to nanochat's loader (None: nanochat's stages never read it)."""
+    config = dataclasses.asdict(GPTConfig(**meta["model_config"]))  # every field, defaults included
+    unknown = sorted(set(config) - set(NANOCHAT_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"model_config fields {unknown} have no counterpart in nanochat {NANOCHAT_COMMIT}'s GPT")
+    out = {key: meta.get(key) for key in NANOCHAT_META_KEYS}
+    out.update(step=step, dataloader_state_dict=None, model_config=config)
+    return out
+
+
+def config_from_nanochat_meta(meta: dict, where: str) -> GPTConfig:
+    """The GPTConfig of a nanochat meta file, with nanochat's own default for models from before
+    sliding windows (checkpoint_manager.py's _patch_missing_config_keys: full attention)."""
+    config = dict(meta.get("model_config") or {})
+    if not config:
+        raise ValueError(f"{where} has no model_config: it is not a nanochat meta file")
+    if "window_pattern" not in config:
+        config["window_pattern"] = "L"
+        print("model_config has no window_pattern (an older nanochat model): using 'L', full attention")
+    unknown = sorted(set(config) - {f.name for f in dataclasses.fields(GPTConfig)})
+    if unknown:
+        raise ValueError(f"{where}: model_config keys {unknown} are not part of jaxchat's GPT: this model has "
+                         f"features jaxchat does not implement (it follows nanochat {NANOCHAT_COMMIT})")
+    return GPTConfig(**config)
+
+
+# ---- model_<step>.pt -----------------------------------------------------------------------------
+
+def save_nanochat_checkpoint(model: GPT, meta: dict, step: int, directory: str) -> tuple[str, str]:
+    """Writes model_<step:06d>.pt and meta_<step:06d>.json into `directory` as nanochat's
+    save_checkpoint does; returns their paths. Refuses to replace an existing model file."""
+    torch = import_torch()
+    model_path = os.path.join(directory, f"model_{step:06d}.pt")
+    meta_path = os.path.join(directory, f"meta_{step:06d}.json")
+    if os.path.exists(model_path):
+        raise FileExistsError(f"{model_path} exists already: remove it, or export into another nanochat base dir")
+    state_dict = {}
+    for name, value in to_nanochat_state_dict(model).items():
+        tensor = torch.tensor(value)  # a copy: the array may be a read-only view of device memory
+        # nanochat trains with wte in bfloat16 on GPU and saves it so (init_weights); rounding to nearest even
+        state_dict[name] = tensor.to(torch.bfloat16) if name == "transformer.wte.weight" else tensor
+    os.makedirs(directory, exist_ok=True)
+    torch.save(state_dict, model_path)
+    with open(meta_path, "w", encoding="utf-8") as f:
+        json.dump(nanochat_meta(meta, step), f, indent=2)
+    return model_path, meta_path
+
+
+def load_nanochat_state_dict(path: str) -> dict[str, np.ndarray]:
+    """nanochat weights from model_<step>.pt (torch.load with weights_only=True: tensors only, no
+    pickled code) or from a .safetensors file, as float32 numpy, torch.compile's name prefix removed."""
+    if path.endswith(".safetensors"):
+        import safetensors.numpy
+
+        raw = safetensors.numpy.load_file(path)
+        arrays = {name: np.asarray(value, dtype=np.float32) for name, value in raw.items()}
+    elif path.endswith(".pt"):
+        torch = import_torch()
+        try:
+            raw = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise ValueError(f"{path} holds more than tensors, so it is not read (it could run code): {e}") from e
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path} holds a {type(raw).__name__}, not nanochat's state dict")
+        arrays = {name: value.detach().float().numpy() for name, value in raw.items()}
+    else:
+        raise ValueError(f"{path}: nanochat weights are model_<step>.pt or .safetensors files")
+    return {name.removeprefix(TORCH_COMPILE_PREFIX): value for name, value in arrays.items()}
+
+
+# ---- tokenizer.pkl and token_bytes.pt ------------------------------------------------------------
+
+def nanochat_token_bytes(tokenizer: Tokenizer) -> np.ndarray:
+    """int32 bytes per token id as nanochat's tok_train.py counts them: the UTF-8 length of the decoded
+    token (a lone piece of a multi-byte character counts as U+FFFD, 3 bytes; jaxchat's own
+    token_bytes counts raw bytes), 0 for special tokens. nanochat's bits per byte use these."""
+    special = set(tokenizer.get_special_tokens())
+    lengths = []
+    for token_id in range(tokenizer.get_vocab_size()):
+        text = tokenizer.id_to_token(token_id)
+        lengths.append(0 if text in special else len(text.encode("utf-8")))
+    return np.asarray(lengths, dtype=np.int32)
+
+
+def save_nanochat_tokenizer(tokenizer: Tokenizer, directory: str) -> None:
+    """tokenizer.pkl (the tiktoken Encoding nanochat's RustBPETokenizer pickles) and token_bytes.pt."""
+    import tiktoken
+
+    torch = import_torch()
+    encoding = tiktoken.Encoding(name=ENCODING_NAME, pat_str=tokenizer.pattern,
+                                 mergeable_ranks=tokenizer.mergeable_ranks, special_tokens=tokenizer.special_tokens)
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, TOKENIZER_PICKLE), "wb") as f:
+        pickle.dump(encoding, f)
+    with open(os.path.join(directory, TOKEN_BYTES_PT), "wb") as f:
+        torch.save(torch.from_numpy(nanochat_token_bytes(tokenizer)), f)
+
+
+class _EncodingRecord:
+    """Stands in for tiktoken.Encoding while unpickling: keeps the state it is given, runs nothing."""
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+class _EncodingUnpickler(pickle.Unpickler):
+    # Pickle executes code only through the globals it names; this one names a single class, which
+    # resolves to the record above, and anything else stops the read.
+    def find_class(self, module, name):
+        if (module, name) == ("tiktoken.core", "Encoding"):
+            return _EncodingRecord
+        raise pickle.UnpicklingError(f"it refers to {module}.{name}; a nanochat tokenizer.pkl names only "
+                                     "tiktoken.core.Encoding")
+
+
+def load_nanochat_tokenizer(path: str) -> Tokenizer:
+    """jaxchat's Tokenizer from nanochat's tokenizer.pkl, read without running any pickled code."""
+    try:
+        with open(path, "rb") as f:
+            record = _EncodingUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path} is not a nanochat tokenizer: {e}") from e
+    state = getattr(record, "state", None)
+    if isinstance(state, str):
+        raise ValueError(f"{path} names tiktoken's built-in encoding {state!r}, not a trained vocabulary: "
+                         "jaxchat takes nanochat's own (rustbpe) tokenizers only")
+    if not (isinstance(state, dict) and isinstance(state.get("pat_str"), str)
+            and isinstance(state.get("mergeable_ranks"), dict) and isinstance(state.get("special_tokens"), dict)):
+        raise ValueError(f"{path} is not a pickled tiktoken Encoding (nanochat's tokenizer.pkl)")
+    special = state["special_tokens"]
+    names = sorted(special, key=special.get)
+    tokenizer = Tokenizer(state["mergeable_ranks"], state["pat_str"], names)
+    if tokenizer.special_tokens != special:
+        raise ValueError(f"{path}: special token ids {special} do not follow the merge ranks in order")
+    return tokenizer
