@@ -8,12 +8,37 @@ import sys
 import threading
 import time
 import warnings
+from typing import NoReturn
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 BASE_DIR_ENV = "JAXCHAT_BASE_DIR"
+
+
+def fail(message: str) -> NoReturn:
+    """Bad input: say what to change, no traceback."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def select_platform(device_type: str) -> None:
+    """Start the backend the user asked for, or explain why it is not there."""
+    if device_type not in ("", "cuda", "gpu", "cpu", "tpu"):
+        hint = " (JAX has no MPS backend)" if device_type == "mps" else ""
+        fail(f"--device-type {device_type!r} is not supported{hint}: use cuda, cpu, or leave it empty to autodetect")
+    if device_type == "cpu":
+        jax.config.update("jax_platforms", "cpu")
+    try:
+        present = jax.default_backend()  # 'gpu', 'tpu' or 'cpu'
+    except (RuntimeError, AssertionError) as e:
+        fail(f"no JAX backend could start ({e or type(e).__name__}); check $JAX_PLATFORMS, or use --device-type=cpu")
+    wanted = {"cuda": "gpu", "gpu": "gpu", "tpu": "tpu"}.get(device_type)
+    if wanted and present != wanted:
+        extra = " Install the GPU build with `pip install -e '.[cuda12]'`." if wanted == "gpu" else ""
+        fail(f"--device-type {device_type} asked for, but no such device is present (JAX sees: {present}).{extra} "
+             "Use --device-type=cpu, or leave it empty to autodetect.")
 
 
 def get_base_dir() -> str:

@@ -56,6 +56,15 @@ class GPTConfig:
         if not self.window_pattern or any(c not in "SL" for c in self.window_pattern.upper()):
             raise ValueError(f"window_pattern {self.window_pattern!r} must be a non-empty string of S and L")
 
+    @classmethod
+    def from_depth(cls, depth: int, vocab_size: int, *, aspect_ratio: int = 64, head_dim: int = 128,
+                   max_seq_len: int = 2048, window_pattern: str = "SSSL") -> "GPTConfig":
+        """nanochat's depth rule: model_dim = depth x aspect_ratio, heads of about head_dim
+        (find_num_heads), as many key/value heads as query heads."""
+        model_dim, num_heads = width_and_heads(depth, aspect_ratio, head_dim)
+        return cls(sequence_len=max_seq_len, vocab_size=vocab_size, n_layer=depth, n_head=num_heads,
+                   n_kv_head=num_heads, n_embd=model_dim, window_pattern=window_pattern)
+
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
@@ -71,6 +80,16 @@ class GPTConfig:
         windows = [size[pattern[i % len(pattern)]] for i in range(self.n_layer)]
         windows[-1] = self.sequence_len
         return tuple(windows)
+
+
+def width_and_heads(depth: int, aspect_ratio: int, head_dim: int) -> tuple[int, int]:
+    """(model_dim, num_heads) of nanochat's depth rule; an odd head size (unusable by rotary) is an error."""
+    model_dim = depth * aspect_ratio
+    num_heads = find_num_heads(model_dim, head_dim)
+    if (model_dim // num_heads) % 2:
+        raise ValueError(f"model_dim {model_dim} with {num_heads} heads gives an odd head size {model_dim // num_heads}, "
+                         "and rotary embeddings need an even one: change --depth, --aspect-ratio or --head-dim")
+    return model_dim, num_heads
 
 
 def find_num_heads(model_dim: int, target_head_dim: int) -> int:

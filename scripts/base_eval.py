@@ -13,7 +13,7 @@ import argparse
 import csv
 import os
 
-from scripts.train import fail, select_platform
+from jaxchat.common import fail, select_platform
 
 
 def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:

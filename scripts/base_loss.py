@@ -10,7 +10,7 @@ packed as in training, at the checkpoint's sequence length. Adds a section to th
 import argparse
 
 from scripts.base_eval import add_checkpoint_args, load_checkpoint
-from scripts.train import fail
+from jaxchat.common import fail
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -39,7 +39,7 @@ from jaxchat.interop import (TOKEN_BYTES_PT, TOKENIZER_PICKLE, config_from_nanoc
                              load_nanochat_state_dict, load_nanochat_tokenizer, nanochat_meta, save_nanochat_checkpoint,
                              save_nanochat_tokenizer, to_nanochat_state_dict)
 from jaxchat.tokenizer import get_tokenizer
-from scripts.train import fail
+from jaxchat.common import fail
 
 def _holds_tokenizer(existing, tokenizer, where: str, what_to_do: str) -> bool:
     """Whether `where` holds this tokenizer already (existing: what it holds, None if nothing). Another
