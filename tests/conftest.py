@@ -7,6 +7,8 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("WANDB_MODE", "disabled")
 
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 
@@ -35,3 +37,88 @@ def make_base_dir(builtin_docs):
         return path
 
     return make
+
+
+# ---- float64 NumPy references shared by several test files ---------------------------------------
+# Each takes `rnd`, applied wherever nanochat (PyTorch, bf16) rounds a result to bf16: the identity
+# gives the float64 reference; bf16_round gives an emulation of nanochat's own bf16 rounding, the
+# yardstick for jaxchat's bf16 errors. PyTorch computes each bf16 op in float32 (a Python-float
+# coefficient included) and rounds its result once; the products of bf16 matmul operands are exact in
+# float64 here and accumulate far more precisely than bf16 can hold, so float64 arithmetic followed by
+# one rounding per op stands for it.
+
+
+def exact(a: np.ndarray) -> np.ndarray:
+    return a
+
+
+def bf16_round(a) -> np.ndarray:
+    return np.asarray(a, np.float64).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def rel_err(a, b) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def cosine(a, b) -> float:
+    return float(np.vdot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+# Muon, in the PyTorch (rows, cols) = (out, in) layout of nanochat/muon.py; jaxchat's kernels are W.T.
+POLAR_EXPRESS_COEFFS = [
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+]
+# Bounds on jaxchat's bf16 Muon parameter changes against the float64 reference, for tests without a
+# nanochat emulation of their own (tests/test_muon.py compares with one, case by case). Measured on
+# tests/test_optim.py's tiny GPT over 10 steps: relative error 0.8-4.0% (most of it cautious-decay
+# mask entries flipped by rounding, under its strong weight decay), cosine >= 0.9991.
+BF16_REL_TOL = 0.06
+BF16_MIN_COSINE = 0.998
+
+
+def ref_polar_express(g: np.ndarray, rnd=exact) -> np.ndarray:
+    """nanochat's polar express: X = g.bfloat16(), normalised, then X <- aX + (bA + cA²)X, A = XXᵀ."""
+    transposed = g.shape[0] > g.shape[1]
+    x = rnd(g.T if transposed else g)
+    x = rnd(x / rnd(rnd(rnd(np.linalg.norm(x)) * 1.02) + 1e-6))
+    for a, b, c in POLAR_EXPRESS_COEFFS:
+        A = rnd(x @ x.T)
+        B = rnd(rnd(b * A) + rnd(c * rnd(A @ A)))
+        x = rnd(rnd(a * x) + rnd(B @ x))
+    return x.T if transposed else x
+
+
+def ref_muon_step(w, g, m, s2, lr, beta, beta2, wd, rnd=exact):
+    """One Muon step on one PyTorch-layout matrix w (rows, cols) -> (w, m, s2). With rnd=bf16_round,
+    nanochat's muon_step_fused: the orthogonalised update stays bf16, and beta2, the
+    variance-reduction scale, lr and wd are rounded to bf16 before they are applied."""
+    rows, cols = w.shape
+    m = beta * m + (1 - beta) * g
+    u = (1 - beta) * g + beta * m
+    x = ref_polar_express(u, rnd)
+    axis = 1 if rows >= cols else 0
+    v = np.mean(x**2, axis=axis, keepdims=True)
+    n = x.shape[axis]
+    norm = np.sqrt(v.sum() * n)
+    s2 = s2 + rnd(1 - rnd(beta2)) * (v - s2)  # lerp_(v, 1 - beta2)
+    step = 1 / np.sqrt(np.maximum(s2, 1e-10))
+    norm_new = np.sqrt((v * n * step**2).sum())
+    x = rnd(x * rnd(step * norm / max(norm_new, 1e-10)))
+    lr_eff = rnd(lr * max(1.0, rows / cols) ** 0.5)
+    mask = x * w >= 0
+    return w - (rnd(lr_eff * x) + rnd(lr_eff * rnd(wd)) * w * mask), m, s2
+
+
+def ref_second_moment(rows: int, cols: int) -> np.ndarray:
+    return np.zeros((rows, 1) if rows >= cols else (1, cols))
+
+
+def torch_matrices(kernel) -> list[np.ndarray]:
+    """The PyTorch-layout matrices of one kernel leaf (several for a stacked layer axis)."""
+    k = np.asarray(kernel, np.float64)
+    return [m.T for m in k.reshape(-1, *k.shape[-2:])]
+
