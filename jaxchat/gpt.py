@@ -75,8 +75,13 @@ def find_num_heads(model_dim: int, target_head_dim: int) -> int:
 
 
 def rms_norm(x: jax.Array) -> jax.Array:
-    """Parameter-free RMSNorm; eps is the machine epsilon of x's dtype (as torch's F.rms_norm)."""
-    eps = jnp.finfo(x.dtype).eps
+    """Parameter-free RMSNorm, computed in float32 and rounded once to x's dtype.
+
+    eps is float32's machine epsilon for every dtype, as torch's F.rms_norm(eps=None), which takes
+    the epsilon of its float32 compute type for bf16 inputs too (bf16's own, 7.8e-3, would shrink
+    every normalised activation by ~0.4%).
+    """
+    eps = jnp.finfo(jnp.float32).eps
     x32 = x.astype(jnp.float32)
     return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 

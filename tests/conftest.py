@@ -122,3 +122,80 @@ def torch_matrices(kernel) -> list[np.ndarray]:
     k = np.asarray(kernel, np.float64)
     return [m.T for m in k.reshape(-1, *k.shape[-2:])]
 
+
+# The GPT, on nanochat's state dict (PyTorch (out, in) weights); with rnd=bf16_round, nanochat's bf16
+# forward (CUDA autocast, wte stored in bf16, eager rounding of every op's result).
+def randomized(config, seed: int = 0):
+    """A GPT whose every parameter is random and O(1)-scaled, so that no part of the forward is a no-op
+    (at init the projections are zero and x0_lambdas too)."""
+    import math
+
+    import jax
+    from flax import nnx
+
+    from jaxchat.gpt import GPT
+
+    model = GPT(config, rngs=nnx.Rngs(seed))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    new = [
+        (jax.random.normal(k, x.shape) * (0.5 if x.ndim == 1 else 1 / math.sqrt(x.shape[0]))
+         + (1.0 if x.ndim == 1 else 0.0))
+        for k, x in zip(keys, leaves)
+    ]
+    state = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(state, jax.tree.unflatten(treedef, new))
+    nnx.update(model, state)
+    return model
+
+
+def np_forward(sd: dict, config, idx: np.ndarray, rnd=exact) -> np.ndarray:
+    """Logits of nanochat's GPT (nanochat/gpt.py) in float64 NumPy."""
+    eps = np.finfo(np.float32).eps  # F.rms_norm(eps=None): float32's epsilon, for bf16 inputs too
+
+    def rms(x):
+        return rnd(x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
+
+    def linear(x, name):
+        return rnd(rnd(x) @ rnd(W(name)).T)
+
+    B, T = idx.shape
+    H, Hkv, D, C = config.n_head, config.n_kv_head, config.n_embd // config.n_head, config.n_embd
+    inv_freq = (1.0 / (10000 ** (np.arange(0, D, 2, dtype=np.float32) / D))).astype(np.float32)
+    angles = np.arange(T, dtype=np.float32)[:, None] * inv_freq[None, :]  # float32 as nanochat's table
+    cos, sin = bf16_round(np.cos(angles.astype(np.float64))), bf16_round(np.sin(angles.astype(np.float64)))
+
+    def rotary(x):  # (B, T, h, D)
+        x1, x2 = x[..., : D // 2], x[..., D // 2 :]
+        c, s = cos[None, :, None, :], sin[None, :, None, :]
+        return np.concatenate([rnd(rnd(x1 * c) + rnd(x2 * s)), rnd(rnd(-x1 * s) + rnd(x2 * c))], axis=-1)
+
+    pattern = config.window_pattern
+    windows = [config.sequence_len if pattern[i % len(pattern)] == "L" else config.sequence_len // 2
+               for i in range(config.n_layer)]
+    windows[-1] = config.sequence_len
+    W = lambda name: sd[name].astype(np.float64)  # noqa: E731
+    x = rms(rnd(W("transformer.wte.weight"))[idx])
+    x0 = x
+    i_pos, j_pos = np.arange(T)[:, None], np.arange(T)[None, :]
+    for layer in range(config.n_layer):
+        p = f"transformer.h.{layer}."
+        x = rnd(rnd(W("resid_lambdas")[layer] * x) + rnd(W("x0_lambdas")[layer] * x0))
+        h = rms(x)
+        q = linear(h, p + "attn.c_q.weight").reshape(B, T, H, D)
+        k = linear(h, p + "attn.c_k.weight").reshape(B, T, Hkv, D)
+        v = linear(h, p + "attn.c_v.weight").reshape(B, T, Hkv, D)
+        q, k = rms(rotary(q)), rms(rotary(k))
+        k, v = np.repeat(k, H // Hkv, axis=2), np.repeat(v, H // Hkv, axis=2)
+        scores = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(D)  # softmax in float32: not rounded
+        allowed = (i_pos - j_pos >= 0) & (i_pos - j_pos <= windows[layer])
+        scores = np.where(allowed, scores, -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        y = rnd(np.einsum("bhts,bshd->bthd", rnd(probs), v)).reshape(B, T, C)
+        x = rnd(x + linear(y, p + "attn.c_proj.weight"))
+        hidden = rnd(np.maximum(linear(rms(x), p + "mlp.c_fc.weight"), 0) ** 2)
+        x = rnd(x + linear(hidden, p + "mlp.c_proj.weight"))
+    logits = linear(rms(x), "lm_head.weight")[..., : config.vocab_size]  # then .float() for the softcap
+    return 15 * np.tanh(logits / 15)
