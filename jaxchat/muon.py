@@ -1,13 +1,13 @@
 """Muon for the matrices of the transformer blocks, as one optax GradientTransformation.
 
-nanochat's Muon (SPEC §5), for every matrix of a pytree:
+nanochat's Muon (nanochat/muon.py), for every matrix of a pytree:
 1. Nesterov momentum: m = β·m + (1−β)·g; u = (1−β)·g + β·m
-2. Polar Express: u is replaced by (roughly) its orthogonal polar factor U·Vᵀ, in bfloat16
+2. Polar Express: u is replaced by (roughly) its orthogonal polar factor U·Vᵀ, with bfloat16 matmuls
 3. NorMuon variance reduction: a factored second moment of the orthogonalised update rescales
    each output neuron (or each input, for matrices with more inputs than outputs)
 4. cautious weight decay: p −= lr_eff·X + lr_eff·wd·p·[X·p ≥ 0], lr_eff = lr·max(1, out/in)^0.5
 
-Layout. SPEC states the rules on PyTorch weights, (rows, cols) = (out, in). Flax kernels are the
+Layout. nanochat states the rules on PyTorch weights, (rows, cols) = (out, in). Flax kernels are the
 transpose, (in, out): here axis −2 is the input (PyTorch's cols) and axis −1 the output (PyTorch's
 rows). Every rule below is written for kernels; the comments give the PyTorch rule it translates.
 Any leading axes (a stacked layer axis) are batch axes: each slice is its own matrix.
@@ -42,8 +42,15 @@ Hyperparameter = float | Callable[[jax.Array], jax.Array]
 
 
 def polar_express(x: jax.Array, ns_steps: int = 5, dtype=jnp.bfloat16) -> jax.Array:
-    """Approximate orthogonal polar factor of each matrix of x (..., r, c), computed and returned in
-    dtype (bfloat16 as nanochat; float32 gives the exact polynomial, e.g. to test against).
+    """Approximate orthogonal polar factor of each matrix of x (..., r, c), returned in float32.
+
+    dtype is that of the matmul operands: bfloat16 as nanochat, or float32 for the exact polynomial
+    (e.g. to test against). The matmuls accumulate and return float32; everything else (the
+    normalisation, the coefficients, the sums) is float32 arithmetic, and values are rounded to
+    dtype only where they become matmul operands. nanochat (nanochat/muon.py) rounds at those points
+    too, but also rounds every product, sum and the result to bf16; rounding less, this is the more
+    accurate (on Gaussian matrices its error against the exact polynomial is 0.3-0.45x nanochat's,
+    which tests/test_muon.py emulates).
 
     The iteration X <- a·X + (b·A + c·A²)·X with A = X·Xᵀ is an odd polynomial in X, so it commutes
     with transposition: for tall matrices we form the small Gram Xᵀ·X and multiply from the right,
@@ -51,17 +58,34 @@ def polar_express(x: jax.Array, ns_steps: int = 5, dtype=jnp.bfloat16) -> jax.Ar
     """
     if not 1 <= ns_steps <= len(POLAR_EXPRESS_COEFFS):
         raise ValueError(f"ns_steps must be in 1..{len(POLAR_EXPRESS_COEFFS)}, got {ns_steps}")
-    x32 = x.astype(dtype).astype(jnp.float32)
-    norm = jnp.sqrt(jnp.sum(jnp.square(x32), axis=(-2, -1), keepdims=True))
-    x = (x32 / (norm * NORM_SAFETY + 1e-6)).astype(dtype)
+    f32 = jnp.float32
+    finfo = jnp.finfo(dtype)
+
+    def rounded(v: jax.Array) -> jax.Array:
+        # v rounded to dtype's precision, kept float32. reduce_precision, not a cast down and back up:
+        # XLA may drop a f32 -> bf16 -> f32 pair of casts (SimplifyFPConversions, on GPU by default).
+        return jax.lax.reduce_precision(v, finfo.nexp, finfo.nmant)
+
+    def matmul(p: jax.Array, q: jax.Array) -> jax.Array:
+        return jnp.matmul(p.astype(dtype), q.astype(dtype), preferred_element_type=f32)
+
+    # the input rounded first, as nanochat's g.bfloat16(): an ulp of float32 difference in it (the
+    # momentum fused differently by another program, e.g. the sharded one) then almost never reaches
+    # the result, where it could otherwise flip a rounding and cascade through the iteration
+    x = rounded(x.astype(f32))
+    norm = jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True))
+    x = x / (norm * NORM_SAFETY + 1e-6)
     tall = x.shape[-2] > x.shape[-1]
     for a, b, c in POLAR_EXPRESS_COEFFS[:ns_steps]:
-        if tall:
-            gram = jnp.einsum("...ki,...kj->...ij", x, x)  # (c, c)
-            x = a * x + x @ (b * gram + c * (gram @ gram))
-        else:
-            gram = jnp.einsum("...ik,...jk->...ij", x, x)  # (r, r)
-            x = a * x + (b * gram + c * (gram @ gram)) @ x
+        # X and A are rounded once each and every term uses the rounded values: the step is then the
+        # exact polynomial of one nearby matrix, an error the later steps contract (a float32 X or A
+        # in one term would add the mismatch times a coefficient, |b| up to 22). a, b, c multiply
+        # float32 arrays, so they are never rounded (times a bf16 array, a Python float is rounded
+        # to bf16 first: 8.1566 -> 8.1875).
+        x = rounded(x)
+        gram = rounded(matmul(x.mT, x) if tall else matmul(x, x.mT))  # (c, c) or (r, r)
+        poly = b * gram + c * matmul(gram, gram)
+        x = a * x + (matmul(x, poly) if tall else matmul(poly, x))
     return x
 
 
@@ -106,7 +130,7 @@ class MuonState(NamedTuple):
 
 
 def variance_reduction(x: jax.Array, second_moment: jax.Array, beta2: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """NorMuon step (SPEC §5.3), float32, on kernels x (..., in, out): rescale the slices along
+    """NorMuon step (nanochat/muon.py), float32, on kernels x (..., in, out): rescale the slices along
     reduce_axis by rsqrt of their running mean square, then restore x's total norm."""
     axis = reduce_axis(x.shape)
     n = x.shape[axis]
@@ -169,10 +193,14 @@ def muon(
         # 1. Nesterov momentum, elementwise per matrix
         new_m = [(beta * m + (1 - beta) * g).astype(m.dtype) for g, m in zip(g_leaves, m_leaves)]
         directions = [(1 - beta) * g + beta * m for g, m in zip(g_leaves, new_m)]
-        # 2-3. orthogonalise and variance-reduce each stack of matrices
+        # 2-3. orthogonalise and variance-reduce each stack of matrices. Deliberately unlike nanochat, all
+        # but the Polar Express matmul operands is float32 from here on: nanochat keeps the update in
+        # bf16 and rounds beta2, the variance-reduction scale, lr and wd to bf16 before using them
+        # (beta2 0.95 -> 0.9492, lr 0.02 -> 0.02002): ~0.4% rounding noise in every step and fixed
+        # offsets in its hyperparameters, none of which this has.
         xs, new_s = [], []
         for u, s in zip(directions, s_leaves):
-            x, s = variance_reduction(polar_express(u, ns_steps, polar_dtype).astype(jnp.float32), s, jnp.float32(beta2))
+            x, s = variance_reduction(polar_express(u, ns_steps, polar_dtype), s, jnp.float32(beta2))
             xs.append(x)
             new_s.append(s)
         # 4. cautious weight decay: decay only where the update and the weight agree in sign

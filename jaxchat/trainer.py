@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxchat.gpt import GPT, GPTConfig, logical_axes
 from jaxchat.mesh import DATA_AXIS, REPLICATED, SHARDED, batch_sharding, shardings

@@ -5,84 +5,16 @@ import math
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import np_forward, randomized
 from jaxchat.attention import causal_attention
 from jaxchat.gpt import GPT, CausalSelfAttention, GPTConfig, param_shapes
 from jaxchat.interop import from_nanochat_state_dict, to_nanochat_state_dict
 
 TINY = GPTConfig(sequence_len=16, vocab_size=100, n_layer=3, n_head=4, n_kv_head=2, n_embd=32, window_pattern="SL")
-
-
-def randomized(config: GPTConfig, seed: int = 0) -> GPT:
-    """A model whose every parameter is random and O(1)-scaled, so that no part of the forward is a no-op
-    (at init the projections are zero and x0_lambdas too)."""
-    model = GPT(config, rngs=nnx.Rngs(seed))
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    new = [
-        (jax.random.normal(k, x.shape) * (0.5 if x.ndim == 1 else 1 / math.sqrt(x.shape[0]))
-         + (1.0 if x.ndim == 1 else 0.0))
-        for k, x in zip(keys, leaves)
-    ]
-    state = nnx.state(model, nnx.Param)
-    nnx.replace_by_pure_dict(state, jax.tree.unflatten(treedef, new))
-    nnx.update(model, state)
-    return model
-
-
-# ---- independent float64 reference of SPEC §2 -----------------------------------------------------
-def np_forward(sd: dict, config: GPTConfig, idx: np.ndarray) -> np.ndarray:
-    """SPEC §2 in float64 NumPy on nanochat's state dict (PyTorch (out, in) weights)."""
-    eps = np.finfo(np.float32).eps  # the compute dtype on CPU is float32
-
-    def rms(x):
-        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
-
-    B, T = idx.shape
-    H, Hkv, D, C = config.n_head, config.n_kv_head, config.n_embd // config.n_head, config.n_embd
-    inv_freq = (1.0 / (10000 ** (np.arange(0, D, 2, dtype=np.float32) / D))).astype(np.float32)
-    angles = np.arange(T, dtype=np.float32)[:, None] * inv_freq[None, :]  # float32 as nanochat's table
-    to_bf16 = lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float64)  # noqa: E731
-    cos, sin = to_bf16(np.cos(angles.astype(np.float64))), to_bf16(np.sin(angles.astype(np.float64)))
-
-    def rotary(x):  # (B, T, h, D)
-        x1, x2 = x[..., : D // 2], x[..., D // 2 :]
-        c, s = cos[None, :, None, :], sin[None, :, None, :]
-        return np.concatenate([x1 * c + x2 * s, -x1 * s + x2 * c], axis=-1)
-
-    pattern = config.window_pattern
-    windows = [config.sequence_len if pattern[i % len(pattern)] == "L" else config.sequence_len // 2
-               for i in range(config.n_layer)]
-    windows[-1] = config.sequence_len
-    W = lambda name: sd[name].astype(np.float64)  # noqa: E731
-    x = rms(W("transformer.wte.weight")[idx])
-    x0 = x
-    i_pos, j_pos = np.arange(T)[:, None], np.arange(T)[None, :]
-    for layer in range(config.n_layer):
-        p = f"transformer.h.{layer}."
-        x = W("resid_lambdas")[layer] * x + W("x0_lambdas")[layer] * x0
-        h = rms(x)
-        q = (h @ W(p + "attn.c_q.weight").T).reshape(B, T, H, D)
-        k = (h @ W(p + "attn.c_k.weight").T).reshape(B, T, Hkv, D)
-        v = (h @ W(p + "attn.c_v.weight").T).reshape(B, T, Hkv, D)
-        q, k = rms(rotary(q)), rms(rotary(k))
-        k, v = np.repeat(k, H // Hkv, axis=2), np.repeat(v, H // Hkv, axis=2)
-        scores = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(D)
-        allowed = (i_pos - j_pos >= 0) & (i_pos - j_pos <= windows[layer])
-        scores = np.where(allowed, scores, -np.inf)
-        probs = np.exp(scores - scores.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-        y = np.einsum("bhts,bshd->bthd", probs, v).reshape(B, T, C)
-        x = x + y @ W(p + "attn.c_proj.weight").T
-        hidden = np.maximum(rms(x) @ W(p + "mlp.c_fc.weight").T, 0) ** 2
-        x = x + hidden @ W(p + "mlp.c_proj.weight").T
-    logits = (rms(x) @ W("lm_head.weight").T)[..., : config.vocab_size]
-    return 15 * np.tanh(logits / 15)
 
 
 def np_cross_entropy(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:

@@ -1,69 +1,36 @@
-"""Muon against an independent float64 NumPy version of SPEC §5, written here in the PyTorch
-(rows, cols) = (out, in) layout; jaxchat works on Flax kernels (in, out) = W.T.
+"""Muon against an independent float64 NumPy version of nanochat's (tests/conftest.py), written in the
+PyTorch (rows, cols) = (out, in) layout; jaxchat works on Flax kernels (in, out) = W.T.
 
 Tolerances. Polar Express in float32 follows its polynomial to ~1e-5, so with polar_dtype=float32
 every quantity must match the float64 reference to 1e-4. In bfloat16 (what trains), rounding noise
-of ~0.4% per element is amplified by the iteration (slope ~1000 at 0, ~4 inside the band), so the
-singular values of the result wander inside the band [0.86, 1.14] the coefficients allow: the update
-differs from the exact polynomial by 2-13% (relative Frobenius; measured). bf16 cases therefore check
-a 20% relative error and a cosine of at least 0.98 against the float64 reference, and the band itself.
+of ~0.4% per element is amplified by the iteration, so the result is 1-5% (relative Frobenius) away
+from the exact polynomial; nanochat's own bf16 rounding, emulated in the same reference (bf16 matmul
+operands, every op's result rounded to bf16 as PyTorch does), is the yardstick. jaxchat rounds only
+the matmul operands, and its error, case by case, must stay below BF16_ERROR_RATIO times nanochat's.
 """
 
-import re
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh
 
+from conftest import (
+    POLAR_EXPRESS_COEFFS,
+    bf16_round,
+    ref_muon_step,
+    ref_polar_express,
+    ref_second_moment,
+    rel_err,
+    torch_matrices,
+)
 from jaxchat.muon import muon, polar_express, polar_express_flops
 
-COEFFS = [
-    (8.156554524902461, -22.48329292557795, 15.878769915207462),
-    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
-    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
-]
-BF16_REL_TOL = 0.2
-BF16_MIN_COSINE = 0.98
-
-
-# ---- the float64 reference, PyTorch layout -------------------------------------------------------
-def ref_polar_express(g: np.ndarray) -> np.ndarray:
-    transposed = g.shape[0] > g.shape[1]
-    x = g.T if transposed else g
-    x = x / (np.linalg.norm(x) * 1.02 + 1e-6)
-    for a, b, c in COEFFS:
-        A = x @ x.T
-        x = a * x + (b * A + c * A @ A) @ x
-    return x.T if transposed else x
-
-
-def ref_muon_step(w, g, m, s2, lr, beta, beta2, wd):
-    """One Muon step on one PyTorch-layout matrix w (rows, cols); returns (w, m, s2)."""
-    rows, cols = w.shape
-    m = beta * m + (1 - beta) * g
-    u = (1 - beta) * g + beta * m
-    x = ref_polar_express(u)
-    axis = 1 if rows >= cols else 0
-    v = np.mean(x**2, axis=axis, keepdims=True)
-    n = x.shape[axis]
-    norm = np.sqrt(v.sum() * n)
-    s2 = beta2 * s2 + (1 - beta2) * v
-    step = 1 / np.sqrt(np.maximum(s2, 1e-10))
-    norm_new = np.sqrt((v * n * step**2).sum())
-    x = x * step * norm / max(norm_new, 1e-10)
-    lr_eff = lr * max(1.0, rows / cols) ** 0.5
-    mask = x * w >= 0
-    return w - lr_eff * x - lr_eff * wd * w * mask, m, s2
-
-
-def ref_second_moment(rows, cols):
-    return np.zeros((rows, 1) if rows >= cols else (1, cols))
+# jaxchat's bf16 error against float64 over nanochat's (emulated) one, at most: measured 0.26-0.45 for
+# one Polar Express, 0.33-0.72 for parameter changes and 0.16-0.59 for second moments after 1-4 Muon
+# steps; with the coefficients rounded to bf16, as before, it was 1.4-2.1.
+BF16_ERROR_RATIO = 0.8
 
 
 # ---- helpers -----------------------------------------------------------------------------------
@@ -86,48 +53,37 @@ def random_tree(rng, scale=1.0):
     )
 
 
-def torch_matrices(kernel: np.ndarray) -> list[np.ndarray]:
-    """The PyTorch-layout matrices of one kernel leaf (several for a stacked layer axis)."""
-    k = np.asarray(kernel, np.float64)
-    return [m.T for m in k.reshape(-1, *k.shape[-2:])]
-
-
-def rel_err(a, b):
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
-
-
-def cosine(a, b):
-    return float(np.vdot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
-
-
 def run_muon_and_reference(polar_dtype, steps, lr, beta, wd, beta2=0.95, seed=0, grads_fn=None, params=None):
-    """Run jaxchat's muon and the reference side by side; lr/beta/wd are functions of the step."""
+    """Run jaxchat's muon, the float64 reference and nanochat's bf16 rounding of it side by side;
+    lr/beta/wd are functions of the step. Returns (params, jaxchat's params, state, reference, nanochat)."""
     rng = np.random.default_rng(seed)
     params = params if params is not None else random_tree(rng, 0.1)
     tx = muon(learning_rate=lr, momentum=beta, weight_decay=wd, beta2=beta2, polar_dtype=polar_dtype)
     state = tx.init(params)
     jax_params = params
-    ref = {}  # leaf index -> list of (w, m, s2) per matrix
-    for i, leaf in enumerate(jax.tree.leaves(params)):
-        ref[i] = [(w, np.zeros_like(w), ref_second_moment(*w.shape)) for w in torch_matrices(leaf)]
+    # leaf index -> list of (w, m, s2) per matrix; nanochat's bf16 rounding on its own copy
+    ref = {i: [(w, np.zeros_like(w), ref_second_moment(*w.shape)) for w in torch_matrices(leaf)]
+           for i, leaf in enumerate(jax.tree.leaves(params))}
+    nanochat = dict(ref)
     update = jax.jit(tx.update)
     for t in range(steps):
         grads = grads_fn(t) if grads_fn else random_tree(rng)
         updates, state = update(grads, state, jax_params)
         jax_params = optax.apply_updates(jax_params, updates)
         for i, g_leaf in enumerate(jax.tree.leaves(grads)):
-            ref[i] = [
-                ref_muon_step(w, g, m, s2, lr(t), beta(t), beta2, wd(t))
-                for (w, m, s2), g in zip(ref[i], torch_matrices(g_leaf))
-            ]
-    return params, jax_params, state, ref
+            hyper = (lr(t), beta(t), beta2, wd(t))
+            ref[i] = [ref_muon_step(w, g, m, s2, *hyper) for (w, m, s2), g in zip(ref[i], torch_matrices(g_leaf))]
+            nanochat[i] = [ref_muon_step(w, g, m, s2, *hyper, rnd=bf16_round)
+                           for (w, m, s2), g in zip(nanochat[i], torch_matrices(g_leaf))]
+    return params, jax_params, state, ref, nanochat
 
 
-def check_against_reference(params, jax_params, state, ref, polar_dtype):
+def check_against_reference(params, jax_params, state, ref, nanochat, polar_dtype):
     moments = jax.tree.leaves(state.momentum)
     second = jax.tree.leaves(state.second_moment)
     for i, (p0, p) in enumerate(zip(jax.tree.leaves(params), jax.tree.leaves(jax_params))):
-        for k, (w0, w, (w_ref, m_ref, s2_ref)) in enumerate(zip(torch_matrices(p0), torch_matrices(p), ref[i])):
+        for k, (w0, w) in enumerate(zip(torch_matrices(p0), torch_matrices(p))):
+            (w_ref, m_ref, s2_ref), (w_nano, _, s2_nano) = ref[i][k], nanochat[i][k]
             # momentum is float32 arithmetic, independent of the orthogonalisation
             np.testing.assert_allclose(torch_matrices(moments[i])[k], m_ref, rtol=1e-5, atol=1e-6)
             delta, delta_ref = w - w0, w_ref - w0
@@ -136,9 +92,10 @@ def check_against_reference(params, jax_params, state, ref, polar_dtype):
                 assert rel_err(delta, delta_ref) < 1e-4, (i, k, rel_err(delta, delta_ref))
                 np.testing.assert_allclose(s2, s2_ref, rtol=1e-4)
             else:
-                assert rel_err(delta, delta_ref) < BF16_REL_TOL, (i, k, rel_err(delta, delta_ref))
-                assert cosine(delta, delta_ref) > BF16_MIN_COSINE, (i, k, cosine(delta, delta_ref))
-                assert rel_err(s2, s2_ref) < 2 * BF16_REL_TOL
+                ours, theirs = rel_err(delta, delta_ref), rel_err(w_nano - w0, delta_ref)
+                assert 5e-3 < theirs < 0.1 and ours <= BF16_ERROR_RATIO * theirs, (i, k, ours, theirs)
+                ours, theirs = rel_err(s2, s2_ref), rel_err(s2_nano, s2_ref)
+                assert ours <= BF16_ERROR_RATIO * theirs, (i, k, ours, theirs)
 
 
 @pytest.mark.parametrize("polar_dtype", [jnp.float32, jnp.bfloat16])
@@ -205,7 +162,7 @@ def test_cautious_weight_decay_masks_where_update_and_weight_disagree(polar_dtyp
 
 # ---- Polar Express alone ---------------------------------------------------------------------------
 def polynomial(x: np.ndarray) -> np.ndarray:
-    for a, b, c in COEFFS:
+    for a, b, c in POLAR_EXPRESS_COEFFS:
         x = a * x + b * x**3 + c * x**5
     return x
 
@@ -235,10 +192,10 @@ def test_polar_express_singular_values(shape, condition):
     assert rel_err(exact, (u * polynomial(x)) @ v.T) < 1e-4  # same singular vectors, mapped values
 
     out = polar_express(jnp.asarray(g, jnp.float32))
-    assert out.dtype == jnp.bfloat16
+    assert out.dtype == jnp.float32
     sv = np.linalg.svd(np.asarray(out, np.float64), compute_uv=False)
-    # bf16: every singular value in the band, up to a rounding margin (0.818 is the lowest seen);
-    # a wrong coefficient, normalisation or transpose leaves it
+    # bf16 matmuls: every singular value in the band, up to a rounding margin; a wrong coefficient,
+    # normalisation or transpose leaves it
     assert band_lo - 0.08 <= sv.min() and sv.max() <= band_hi + 0.02, (sv.min(), sv.max(), band_lo, band_hi)
 
 
@@ -262,41 +219,17 @@ def test_polar_express_flops_agree_with_xla(shape):
     assert by_hand <= xla_flops <= 1.02 * by_hand  # XLA also counts the elementwise terms
 
 
-def test_bf16_rounding_is_what_separates_bf16_from_exact():
-    """Rounding the reference's input to bf16 only (not the iteration) moves the result far less
-    than the tolerance above: the 2-13% of bf16 comes from rounding inside the iteration."""
-    rng = np.random.default_rng(4)
-    g = rng.standard_normal((32, 96))
-    rounded = g.astype(ml_dtypes.bfloat16).astype(np.float64)
-    assert rel_err(ref_polar_express(rounded), ref_polar_express(g)) < 0.02
-
-
-# ---- sharded over a mesh axis ------------------------------------------------------------------
-def test_sharded_equals_unsharded_under_jit():
-    devices = np.array(jax.devices()[:8])
-    assert devices.size == 8, "tests/conftest.py sets 8 virtual CPU devices"
-    mesh = Mesh(devices, ("data",))
-    rng = np.random.default_rng(5)
-    # groups of 3 and 10 matrices: neither a multiple of 8
-    shapes = {"a": [(16, 48)] * 3, "b": [(32, 32)] * 10}
-    params = jax.tree.map(lambda s: rng.standard_normal(s).astype(np.float32) * 0.1, shapes,
-                          is_leaf=lambda s: isinstance(s, tuple))
-    hyper = dict(learning_rate=0.02, momentum=0.95, weight_decay=0.2)
-    plain, sharded = muon(**hyper), muon(**hyper, shard=(mesh, "data"))
-    state_p, state_s = plain.init(params), sharded.init(params)
-    step_p, step_s = jax.jit(plain.update), jax.jit(sharded.update)
-    for _ in range(3):
-        grads = jax.tree.map(lambda p: rng.standard_normal(p.shape).astype(np.float32), params)
-        up_p, state_p = step_p(grads, state_p, params)
-        up_s, state_s = step_s(grads, state_s, params)
-        for a, b in zip(jax.tree.leaves((up_p, state_p)), jax.tree.leaves((up_s, state_s))):
-            # the same per-matrix arithmetic; only the order of float32 sums may differ
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-9)
-    # each device orthogonalises its share: 10 -> padded 16 -> 2 per device; 3 -> padded 8 -> 1
-    hlo = step_s.lower(grads, state_s, params).compile().as_text()
-    dot_shapes = set(re.findall(r"\[([\d,]+)\]\{[\d,]*\} dot\(", hlo))
-    assert "2,32,32" in dot_shapes, dot_shapes
-    assert not dot_shapes & {"10,32,32", "16,32,32", "3,16,16", "8,16,16", "3,16,48", "8,16,48"}, dot_shapes
+# PyTorch layout: square, wide, tall, and a stack of three tall matrices
+@pytest.mark.parametrize("shape", [(96, 96), (64, 256), (256, 64), (3, 80, 48)])
+def test_bf16_polar_express_is_more_accurate_than_nanochats(shape):
+    g = np.random.default_rng(6).standard_normal(shape).astype(np.float32)
+    kernels = jnp.asarray(np.swapaxes(g, -1, -2))  # jaxchat's layout, W.T
+    ours = np.asarray(polar_express(kernels), np.float64).reshape(-1, *shape[:-3:-1])
+    for k, matrix in enumerate(g.astype(np.float64).reshape(-1, *shape[-2:])):
+        exact = ref_polar_express(matrix)
+        theirs = rel_err(ref_polar_express(matrix, bf16_round), exact)
+        mine = rel_err(ours[k].T, exact)
+        assert 5e-3 < theirs < 0.1 and mine <= BF16_ERROR_RATIO * theirs, (k, mine, theirs)
 
 
 def test_needs_params_and_matrices():
