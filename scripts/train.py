@@ -12,7 +12,6 @@ JAX_PROCESS_ID set (or under SLURM's srun); each process feeds the devices it ow
 import argparse
 import dataclasses
 import signal
-import sys
 import time
 
 from jaxchat.checkpoint import LATEST, parse_resume_step
