@@ -116,6 +116,10 @@ def main(argv: list[str] | None = None) -> None:
     user_config = vars(args).copy()  # for logging
     validate_args(args)
 
+    from jaxchat.runtime import apply_gpu_defaults
+
+    gpu_defaults_set = apply_gpu_defaults(args.device_type)  # XLA flags and memory fraction: before JAX starts
+
     from jaxchat.mesh import maybe_initialize_distributed
 
     maybe_initialize_distributed()  # before anything touches a device
@@ -150,6 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     platform = mesh.devices.flat[0].platform
     print0(f"jaxchat base training | {jax.process_count()} process(es), {world} {platform} device(s) in the mesh"
            f" ({mesh.devices.flat[0].device_kind}) | {'FSDP' if args.fsdp else 'data parallel, ZeRO-1 optimizer state'}")
+    if gpu_defaults_set:
+        print0(f"GPU runtime defaults (not set by you): {' '.join(gpu_defaults_set)}")
 
     # wandb logging init
     use_dummy_wandb = args.run == "dummy" or not master_process
