@@ -105,7 +105,8 @@ def peak_memory_bytes(devices) -> tuple[int, str]:
 def bench_train(*, depth: int, aspect_ratio: int = 64, head_dim: int = 128, max_seq_len: int = 2048,
                 device_batch_size: int = 32, grad_accum: int = 1, vocab_size: int = 65536,
                 window_pattern: str = "SSSL", num_devices: int = -1, fsdp: bool = False, steps: int = 10,
-                attention: str | None = None) -> dict:
+                attention: str | None = None, breakdown: bool = True) -> dict:
+    """breakdown=False leaves out forward+backward alone and the update alone (two more compilations)."""
     mesh = make_mesh(num_devices)
     world = mesh.devices.size
     config = model_config(depth, aspect_ratio, head_dim, max_seq_len, vocab_size, window_pattern)
@@ -135,18 +136,22 @@ def bench_train(*, depth: int, aspect_ratio: int = 64, head_dim: int = 128, max_
     step_s = (time.perf_counter() - start) / steps
 
     # forward+backward of one micro-batch alone, and one optimizer update alone
-    graphdef = state.graphdef
-
-    def loss_fn(p, x, y):
-        return nnx.merge(graphdef, p)(x, y)
-
-    fwd_bwd = jax.jit(jax.value_and_grad(loss_fn)).lower(params, inputs[0], targets[0]).compile()
-    fwd_bwd_s = timed(fwd_bwd, params, inputs[0], targets[0], repeats=steps)
-    _, grads = fwd_bwd(params, inputs[0], targets[0])
-    update = jax.jit(optimizer.update).lower(grads, opt_state, params).compile()
-    update_s = timed(update, grads, opt_state, params, repeats=steps)
-
     flops_per_token = estimate_flops(config)
+    micro_tokens = device_batch_size * world * max_seq_len
+    fwd_bwd_s = update_s = xla_over_estimate = None
+    if breakdown:
+        graphdef = state.graphdef
+
+        def loss_fn(p, x, y):
+            return nnx.merge(graphdef, p)(x, y)
+
+        fwd_bwd = jax.jit(jax.value_and_grad(loss_fn)).lower(params, inputs[0], targets[0]).compile()
+        fwd_bwd_s = timed(fwd_bwd, params, inputs[0], targets[0], repeats=steps)
+        _, grads = fwd_bwd(params, inputs[0], targets[0])
+        update = jax.jit(optimizer.update).lower(grads, opt_state, params).compile()
+        update_s = timed(update, grads, opt_state, params, repeats=steps)
+        xla_over_estimate = xla_flops(fwd_bwd) * world / (flops_per_token * micro_tokens)
+
     tok_per_s = tokens_per_step / step_s
     model_flops_per_s = flops_per_token * tok_per_s
     device = mesh.devices.flat[0]
@@ -154,7 +159,6 @@ def bench_train(*, depth: int, aspect_ratio: int = 64, head_dim: int = 128, max_
     peak_kind = "bf16 peak"
     if peak is None and device.platform == "cpu":
         peak, peak_kind = cpu_matmul_flops_per_s(), "f32 matmul"
-    micro_tokens = device_batch_size * world * max_seq_len
     memory, memory_kind = peak_memory_bytes(jax.local_devices())
     return {
         "config": f"d{depth} T{max_seq_len} B{device_batch_size}x{world}x{grad_accum} V{vocab_size} {window_pattern}"
@@ -163,14 +167,14 @@ def bench_train(*, depth: int, aspect_ratio: int = 64, head_dim: int = 128, max_
         "device": f"{world}x {device.device_kind}",
         "compile_s": compile_s,
         "step_ms": 1e3 * step_s,
-        "fwd_bwd_ms": 1e3 * fwd_bwd_s,
-        "update_ms": 1e3 * update_s,
-        "update_share": update_s / step_s,
+        "fwd_bwd_ms": 1e3 * fwd_bwd_s if breakdown else None,
+        "update_ms": 1e3 * update_s if breakdown else None,
+        "update_share": update_s / step_s if breakdown else None,
         "tok_per_s": tok_per_s,
         "model_tflops": model_flops_per_s / 1e12,
         "mfu": model_flops_per_s / (peak * world) if peak else None,
         "mfu_against": peak_kind if peak else None,
-        "xla_over_estimate": xla_flops(fwd_bwd) * world / (flops_per_token * micro_tokens),
+        "xla_over_estimate": xla_over_estimate,
         # Polar Express costs the same whatever the batch: against the model's FLOPs of one whole step
         "polar_over_model": polar_express_flops(
             [x.shape for x in jax.tree.leaves(params["blocks"])]) / (flops_per_token * tokens_per_step),
