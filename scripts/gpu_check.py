@@ -256,7 +256,7 @@ def run_child(item: Item, args, env: dict, timeout: float) -> dict:
         command += ["--allow-cpu"] if args.allow_cpu else []
         start = time.monotonic()
         try:
-            done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
             stderr = done.stderr
         except subprocess.TimeoutExpired as e:  # the child is killed; what it printed is bytes here
             done, stderr = None, e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
@@ -275,9 +275,9 @@ def run_child(item: Item, args, env: dict, timeout: float) -> dict:
 
 
 def child_environments(args) -> tuple[dict, dict]:
-    """(with the GPU runtime defaults, without): the user's environment, plus the defaults for the
-    first, plus a compilation cache shared by the children (a step compiled for memory_d20 is not
-    compiled again for step_d20)."""
+    """(with the GPU runtime defaults, without): the user's environment with this checkout importable
+    and a compilation cache shared by the children (a step compiled for memory_d20 need not be
+    compiled again for step_d20), plus the defaults for the first."""
     from jaxchat.runtime import gpu_defaults
 
     base = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
@@ -293,6 +293,7 @@ def run_all(args) -> int:
         print("error: no GPU (no CUDA plugin for JAX, no NVIDIA device, or JAX_PLATFORMS says otherwise); this script "
               "measures the GPU path. --allow-cpu runs its d2 versions on the CPU.", file=sys.stderr)
         return 2
+    args.json = os.path.abspath(args.json)  # the children write the HLO next to it
     with_defaults, without = child_environments(args)
     names = args.only or [item.name for item in ITEMS]
     items = [item for item in ITEMS if item.name in names or item.name == "environment"]
