@@ -1,33 +1,180 @@
 """
-The checks and figures that need an NVIDIA GPU, in one run (the CPU test suite cannot reach the cuDNN
-path). For a session that is lent a GPU:
+The checks and figures that need an NVIDIA GPU, in one call that survives its first run on a machine
+lent for a few minutes:
 
-    python -m scripts.gpu_check --json $OUT/gpu.json
+    python -m scripts.gpu_check --json $OUT/gpu.json --budget-s 480
 
-1. cuDNN flash attention against the XLA path: outputs and gradients, bfloat16, for a sliding window,
-   full causal attention and GQA. Fails (exit 1) if they disagree beyond bf16 rounding.
-2. Attention alone, forward+backward, window T/2 against T: a short window must save time.
-3. The whole train step (scripts.bench's measurement) of d12 with SSSL and L, and of d20: tok/s, MFU
-   against the device's peak, peak memory.
-Needs only jax, flax and optax (no grain, tokenizer or data).
+Each measurement runs in a process of its own, in this order (the first answers whether d20 fits):
+  environment   JAX, jaxlib, the devices and their memory, the XLA flags in effect
+  memory_d20    compile only: XLA's memory analysis of the d20 train step at device batch 32 on this
+                GPU, and the same scaled to 8 devices (ZeRO-1) against an 80 GB H100; the optimised
+                HLO of the step is written next to the JSON (<json>.d20_step.hlo.txt.gz)
+  step_d20      the d20 train step: tok/s, MFU, peak memory
+  windows_d12   the d12 train step with window pattern SSSL and with L: what the short windows save
+  attention     cuDNN flash attention against the XLA path (outputs, gradients; windowed, full, GQA),
+                and attention with window T/2 against T
+  flags_off     the d12 SSSL step without jaxchat's GPU runtime defaults (jaxchat.runtime), against
+                windows_d12's SSSL row, which ran with them
+After each one the whole report is rewritten to --json, so a run cut short still leaves what it
+measured. A measurement that fails (an exception, a crash, out of memory, past the time left) is
+recorded with its error and the next one runs. --budget-s: each measurement has a cost estimated up
+front (compilations included); one that will not fit in the time left is skipped and recorded so.
+The exit status is 1 if a measurement failed (or cuDNN disagrees with XLA), else 0.
+
+Without a GPU it refuses (exit 2) unless --allow-cpu, which runs the d2 versions of the same
+measurements on the CPU in seconds (the cuDNN one fails there, and is recorded as failed): what the
+tests run. Needs only jax, flax and optax (no grain, tokenizer or data).
 """
 
 import argparse
+import dataclasses
+import datetime
+import gzip
 import json
+import math
+import os
+import subprocess
 import sys
+import tempfile
 import time
+import traceback
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-from jaxchat.attention import causal_attention
-from scripts.bench import TRAIN_COLUMNS, bench_train, print_table
-
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOLERANCE = 2e-2  # relative to the output scale: a few bf16 ulps accumulated over the softmax
+H100_BYTES = 81559 * 2**20  # an H100 80GB SXM's memory as nvidia-smi reports it
+ZERO1_DEVICES = 8  # one host of nanochat's speedrun
+ENVIRONMENT_TIMEOUT_S = 120  # starting JAX on a busy or cold machine, whatever the budget
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    name: str
+    gpu_s: float  # estimated cost on an H100/H200 on first contact, compilation included
+    cpu_s: float  # the d2 version on a CPU (--allow-cpu)
+
+
+ITEMS = [Item("environment", 20, 5), Item("memory_d20", 150, 10), Item("step_d20", 90, 10),
+         Item("windows_d12", 120, 15), Item("attention", 45, 5), Item("flags_off", 75, 10)]
+
+
+def sizes(cpu: bool, device_batch_size: int) -> dict:
+    """The models each measurement uses: nanochat's on a GPU, d2 on a CPU (every path, in seconds)."""
+    if cpu:
+        tiny = dict(depth=2, max_seq_len=256, vocab_size=1024, device_batch_size=2)  # T above the loss chunk
+        return {"big": tiny, "small": tiny, "attention": [(1, 128, 2, 2, 64, 32)], "window": (1, 128, 2, 64)}
+    return {"big": dict(depth=20, max_seq_len=2048, vocab_size=65536, device_batch_size=device_batch_size),
+            "small": dict(depth=12, max_seq_len=2048, vocab_size=65536, device_batch_size=device_batch_size),
+            # (batch, T, heads, kv heads, head dim, window): sliding, full, GQA, odd sizes
+            "attention": [(2, 2048, 10, 10, 128, 1024), (2, 2048, 10, 10, 128, 2048), (2, 2048, 8, 2, 128, 1024),
+                          (2, 1000, 6, 6, 64, 300)],
+            "window": (16, 2048, 10, 128)}
+
+
+# ---- the measurements (each runs in a child process) -----------------------------------------------
+def check_environment(args, size) -> dict:
+    import jax
+
+    from jaxchat.runtime import MEM_FRACTION_ENV
+
+    device = jax.devices()[0]
+    stats = device.memory_stats() or {}
+    try:
+        from jax._src.lib import cuda_versions
+
+        cudnn = cuda_versions.cudnn_get_version() if cuda_versions else None
+    except Exception:  # noqa: BLE001 -- a version to report, nothing depends on it
+        cudnn = None
+    return {"jax": jax.__version__, "backend": jax.default_backend(), "devices": jax.device_count(),
+            "device_kind": device.device_kind, "bytes_limit": stats.get("bytes_limit"), "cudnn": cudnn,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "mem_fraction": os.environ.get(MEM_FRACTION_ENV),
+            "summary": f"jax {jax.__version__}, {jax.device_count()} x {device.device_kind}, backend {jax.default_backend()}"}
+
+
+def check_memory(args, size) -> dict:
+    """Compile only: the fit answer. XLA's memory analysis of the step on this one device (all of the
+    optimizer state), then less 7/8 of the optimizer state, which
+    ZeRO-1 over 8 devices leaves each device 1/8 of, against an H100's pool at the memory fraction."""
+    import jax
+
+    from jaxchat.common import tree_nbytes
+    from jaxchat.mesh import make_mesh
+    from jaxchat.runtime import GPU_MEMORY_FRACTION
+    from jaxchat.run import RunSettings
+    from scripts.bench import abstract_step, parse_hlo
+
+    settings = RunSettings(depth=size["depth"], max_seq_len=size["max_seq_len"], device_batch_size=size["device_batch_size"])
+    run, step, step_args = abstract_step(settings, size["vocab_size"], make_mesh(1))
+    state = run.state
+    start = time.perf_counter()
+    compiled = step.trace(*step_args).lower().compile()
+    compile_s = time.perf_counter() - start
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        raise RuntimeError("this backend gives no memory analysis")
+    needed = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
+              + analysis.temp_size_in_bytes)
+    shrinks = (1 - 1 / ZERO1_DEVICES) * tree_nbytes(state.opt_state)  # the gradient accumulator stays whole
+    on_8 = needed - shrinks
+    h100_pool = H100_BYTES * float(GPU_MEMORY_FRACTION)
+    limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+
+    hlo = compiled.as_text()
+    hlo_path = f"{os.path.splitext(args.json)[0]}.d{size['depth']}_step.hlo.txt.gz"
+    with gzip.open(hlo_path, "wt") as f:
+        f.write(hlo)
+    logits = size["device_batch_size"] * size["max_seq_len"] * size["vocab_size"]
+    arrays = {(dtype, shape) for inst in parse_hlo(hlo).values() for dtype, shape in inst.arrays}
+    gib = 2**30
+    return {"config": f"d{size['depth']} T{size['max_seq_len']} B{size['device_batch_size']} V{size['vocab_size']}",
+            "compile_s": compile_s, "argument_gib": analysis.argument_size_in_bytes / gib,
+            "output_gib": analysis.output_size_in_bytes / gib, "alias_gib": analysis.alias_size_in_bytes / gib,
+            "temp_gib": analysis.temp_size_in_bytes / gib, "needed_gib": needed / gib,
+            "device_limit_gib": limit / gib if limit else None, "fits_this_device": needed <= limit if limit else None,
+            "needed_on_8_gib": on_8 / gib, "h100_pool_gib": h100_pool / gib, "fits_h100": on_8 <= h100_pool,
+            "hlo": os.path.basename(hlo_path), "hlo_mb": os.path.getsize(hlo_path) / 1e6,
+            "float32_logits_sized": sorted(str(list(shape)) for dtype, shape in arrays
+                                           if dtype == "f32" and size["vocab_size"] in shape
+                                           and math.prod(shape) >= logits),
+            "summary": f"needs {needed / gib:.2f} GiB on 1 device, ~{on_8 / gib:.2f} GiB each on 8: "
+                       f"{'fits' if on_8 <= h100_pool else 'does NOT fit'} an H100's {h100_pool / gib:.1f} GiB pool"}
+
+
+def _train_step(size, pattern, steps) -> dict:
+    from scripts.bench import bench_train
+
+    return bench_train(depth=size["depth"], max_seq_len=size["max_seq_len"], vocab_size=size["vocab_size"],
+                       device_batch_size=size["device_batch_size"], window_pattern=pattern, num_devices=1,
+                       steps=steps, breakdown=False)
+
+
+def _step_summary(row: dict) -> str:
+    mfu = f", MFU {row['mfu']:.1%}" if row.get("mfu") is not None else ""
+    return f"{row['config']}: {row['tok_per_s']:,.0f} tok/s{mfu}, peak {row['peak_memory_gib']:.1f} GiB"
+
+
+def check_step(args, size) -> dict:
+    row = _train_step(size, "SSSL", args.steps)
+    return {**row, "summary": _step_summary(row)}
+
+
+def check_windows(args, size) -> dict:
+    rows = [_train_step(size, pattern, args.steps) for pattern in ("SSSL", "L")]
+    saved = 1 - rows[0]["step_ms"] / rows[1]["step_ms"]
+    return {"rows": rows, "sssl_saves": saved, "summary": f"{_step_summary(rows[0])}; SSSL saves {saved:.0%} against L"}
+
+
+def check_flags_off(args, size) -> dict:
+    row = _train_step(size, "SSSL", args.steps)
+    return {**row, "xla_flags": os.environ.get("XLA_FLAGS", ""), "summary": _step_summary(row) + " without the GPU defaults"}
 
 
 def attention_agreement(batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, window: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxchat.attention import causal_attention
+
     keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (batch, seq_len, heads, head_dim), jnp.bfloat16)
     k = jax.random.normal(keys[1], (batch, seq_len, kv_heads, head_dim), jnp.bfloat16)
@@ -45,6 +192,11 @@ def attention_agreement(batch: int, seq_len: int, heads: int, kv_heads: int, hea
 
 
 def attention_time(batch: int, seq_len: int, heads: int, head_dim: int, window: int, repeats: int = 20) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxchat.attention import causal_attention
+
     q = k = v = jnp.ones((batch, seq_len, heads, head_dim), jnp.bfloat16)
     loss = lambda q, k, v: causal_attention(q, k, v, window, "cudnn").astype(jnp.float32).sum()  # noqa: E731
     step = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()
@@ -56,37 +208,147 @@ def attention_time(batch: int, seq_len: int, heads: int, head_dim: int, window: 
     return (time.perf_counter() - start) / repeats
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", default=None, help="also write every figure to this JSON file")
-    parser.add_argument("--device-batch-size", type=int, default=16, help="rows per device in the train steps")
-    parser.add_argument("--steps", type=int, default=10, help="timed train steps per configuration")
-    args = parser.parse_args()
-    if jax.default_backend() != "gpu":
-        sys.exit(f"error: no GPU (JAX's backend is {jax.default_backend()}); this script checks the cuDNN path")
-    device = jax.devices()[0]
-    print(f"jax {jax.__version__}, {jax.device_count()} x {device.device_kind}")
-
-    agreement = [attention_agreement(2, 2048, 10, 10, 128, 1024), attention_agreement(2, 2048, 10, 10, 128, 2048),
-                 attention_agreement(2, 2048, 8, 2, 128, 1024), attention_agreement(2, 1000, 6, 6, 64, 300)]
-    print_table(agreement, [("case", "{}"), ("out_rel_err", "{:.2e}"), ("grad_rel_err", "{:.2e}"), ("ok", "{}")])
-
-    half, full = attention_time(16, 2048, 10, 128, 1024), attention_time(16, 2048, 10, 128, 2048)
-    windows = {"window_1024_ms": 1e3 * half, "window_2048_ms": 1e3 * full, "saving": 1 - half / full}
-    print(f"attention fwd+bwd, B16 T2048 H10 D128: window 1024 {1e3 * half:.2f} ms, full {1e3 * full:.2f} ms "
-          f"({windows['saving']:.0%} saved)")
-
-    train = [bench_train(depth=depth, max_seq_len=2048, device_batch_size=args.device_batch_size,
-                         vocab_size=65536, window_pattern=pattern, steps=args.steps)
-             for depth, pattern in ((12, "SSSL"), (12, "L"), (20, "SSSL"))]
-    print_table(train, TRAIN_COLUMNS)
-
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"jax": jax.__version__, "device": device.device_kind, "attention_agreement": agreement,
-                       "attention_windows": windows, "train": train}, f, indent=2)
+def check_attention(args, size) -> dict:
+    agreement = [attention_agreement(*case) for case in size["attention"]]
+    batch, seq_len, heads, head_dim = size["window"]
+    half, full = (attention_time(batch, seq_len, heads, head_dim, w) for w in (seq_len // 2, seq_len))
+    result = {"agreement": agreement, "window_half_ms": 1e3 * half, "window_full_ms": 1e3 * full,
+              "window_saving": 1 - half / full,
+              "summary": f"worst relative error {max(max(r['out_rel_err'], r['grad_rel_err']) for r in agreement):.1e}; "
+                         f"window T/2 saves {1 - half / full:.0%} of fwd+bwd"}
     if not all(row["ok"] for row in agreement):
-        sys.exit("error: cuDNN attention disagrees with the XLA path beyond bf16 rounding (see the table)")
+        result["error"] = "cuDNN attention disagrees with the XLA path beyond bf16 rounding"
+    return result
+
+
+CHECKS = {"environment": check_environment, "memory_d20": check_memory, "step_d20": check_step,
+          "windows_d12": check_windows, "attention": check_attention, "flags_off": check_flags_off}
+SIZE_OF = {"memory_d20": "big", "step_d20": "big", "windows_d12": "small", "flags_off": "small"}
+
+
+def run_item(args) -> int:
+    """Child mode: one measurement, its result (or error) written to --result."""
+    from jaxchat.common import quiet_jax_warnings
+
+    quiet_jax_warnings()
+    size = sizes(args.allow_cpu, args.device_batch_size)
+    try:
+        result = CHECKS[args.item](args, size.get(SIZE_OF.get(args.item), size))
+        error = result.pop("error", None)
+    except Exception as e:  # noqa: BLE001 -- recorded for the report, and the next measurement runs
+        result, error = {}, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"
+    with open(args.result, "w") as f:
+        json.dump({"result": result, "error": error}, f, default=str)
+    return 1 if error else 0
+
+
+# ---- the driver: one child per measurement, the report after each --------------------------------
+def write_report(path: str, report: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=2, default=str)
+    os.replace(tmp, path)  # never a half-written report, whenever the run is cut
+
+
+def run_child(item: Item, args, env: dict, timeout: float) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = os.path.join(tmp, "result.json")
+        command = [sys.executable, "-m", "scripts.gpu_check", "--item", item.name, "--result", result_path,
+                   "--json", args.json, "--device-batch-size", str(args.device_batch_size), "--steps", str(args.steps)]
+        command += ["--allow-cpu"] if args.allow_cpu else []
+        start = time.monotonic()
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+            stderr = done.stderr
+        except subprocess.TimeoutExpired as e:  # the child is killed; what it printed is bytes here
+            done, stderr = None, e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        record = {"name": item.name, "seconds": round(time.monotonic() - start, 1)}
+        if os.path.exists(result_path):
+            with open(result_path) as f:
+                outcome = json.load(f)
+            record.update(status="failed" if outcome["error"] else "ok", result=outcome["result"])
+            if outcome["error"]:
+                record["error"] = outcome["error"]
+        elif done is None:
+            record.update(status="failed", error=f"stopped after {timeout:.0f} s, the time left\n{stderr[-1500:]}")
+        else:  # no result: the process died (abort, out of memory, signal)
+            record.update(status="failed", error=f"exit status {done.returncode}\n{stderr[-3000:]}")
+        return record
+
+
+def child_environments(args) -> tuple[dict, dict]:
+    """(with the GPU runtime defaults, without): the user's environment with this checkout importable
+    and a compilation cache shared by the children (a step compiled for memory_d20 need not be
+    compiled again for step_d20), plus the defaults for the first."""
+    from jaxchat.runtime import gpu_defaults
+
+    base = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    base.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "jaxchat_gpu_check_cache"))
+    with_defaults = base if args.no_runtime_defaults else {**base, **gpu_defaults(base)}
+    return with_defaults, base
+
+
+def run_all(args) -> int:
+    from jaxchat.runtime import will_run_on_gpu
+
+    if not args.allow_cpu and not will_run_on_gpu():
+        print("error: no GPU (no CUDA plugin for JAX, no NVIDIA device, or JAX_PLATFORMS says otherwise); this script "
+              "measures the GPU path. --allow-cpu runs its d2 versions on the CPU.", file=sys.stderr)
+        return 2
+    args.json = os.path.abspath(args.json)  # the children write the HLO next to it
+    with_defaults, without = child_environments(args)
+    names = args.only or [item.name for item in ITEMS]
+    items = [item for item in ITEMS if item.name in names or item.name == "environment"]
+    report = {"started": datetime.datetime.now().isoformat(timespec="seconds"), "budget_s": args.budget_s,
+              "mode": "cpu (--allow-cpu, d2 sizes)" if args.allow_cpu else "gpu",
+              "runtime_defaults": "off" if args.no_runtime_defaults else {
+                  k: v for k, v in with_defaults.items() if with_defaults.get(k) != without.get(k)},
+              "items": []}
+    start = time.monotonic()
+    for item in items:
+        left = args.budget_s - (time.monotonic() - start)
+        cost = item.cpu_s if args.allow_cpu else item.gpu_s
+        if item.name != "environment" and cost > left:  # the environment is how a CPU is told apart: always run
+            record = {"name": item.name, "status": "skipped", "seconds": 0.0,
+                      "error": f"estimated {cost:.0f} s, {max(left, 0):.0f} s of the budget left"}
+        else:
+            env = without if item.name == "flags_off" else with_defaults
+            floor = ENVIRONMENT_TIMEOUT_S if item.name == "environment" else cost
+            record = run_child(item, args, env, timeout=max(left, floor))
+        if item.name == "flags_off" and record["status"] == "ok":
+            on = next((r for r in report["items"] if r["name"] == "windows_d12" and r["status"] == "ok"), None)
+            if on:
+                record["result"]["defaults_speedup"] = on["result"]["rows"][0]["tok_per_s"] / record["result"]["tok_per_s"]
+                record["result"]["summary"] += f"; the defaults run {record['result']['defaults_speedup']:.2f}x as fast"
+        report["items"].append(record)
+        write_report(args.json, report)
+        summary = record.get("result", {}).get("summary") or (record.get("error") or "").split("\n")[0]
+        print(f"{item.name:12s} {record['status']:8s} {record['seconds']:6.1f}s  {summary}", flush=True)
+        if item.name == "environment":
+            backend = record.get("result", {}).get("backend")
+            if record["status"] != "ok" or (backend != "gpu" and not args.allow_cpu):
+                print(f"error: JAX's backend is {backend or 'not starting'}, not a GPU: nothing else measured",
+                      file=sys.stderr)
+                return 2
+    return 1 if any(r["status"] == "failed" for r in report["items"]) else 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", default="gpu_check.json", help="the report, rewritten after each measurement")
+    parser.add_argument("--budget-s", type=float, default=480.0, help="seconds for all measurements: what will "
+                        "not fit in the time left is skipped")
+    parser.add_argument("--only", nargs="+", choices=[item.name for item in ITEMS], default=None,
+                        help="these measurements only (the environment always runs)")
+    parser.add_argument("--device-batch-size", type=int, default=32, help="rows per device in the d12/d20 steps")
+    parser.add_argument("--steps", type=int, default=10, help="timed train steps per configuration")
+    parser.add_argument("--allow-cpu", action="store_true", help="no GPU: run the d2 versions on the CPU")
+    parser.add_argument("--no-runtime-defaults", action="store_true",
+                        help="run every measurement without jaxchat's GPU runtime defaults")
+    parser.add_argument("--item", default=None, help=argparse.SUPPRESS)  # child mode
+    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    sys.exit(run_item(args) if args.item else run_all(args))
 
 
 if __name__ == "__main__":

@@ -100,6 +100,11 @@ EMA_BETA = 0.9  # smoothing of the printed training loss
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+
+    from jaxchat.runtime import apply_gpu_defaults
+
+    gpu_defaults_set = apply_gpu_defaults(args.device_type)  # XLA flags and memory fraction: before JAX starts
+
     from jaxchat.mesh import maybe_initialize_distributed
 
     maybe_initialize_distributed()  # before anything touches a device
@@ -108,12 +113,12 @@ def main(argv: list[str] | None = None) -> None:
     from jaxchat.run import SettingsError
 
     try:
-        train(args)
+        train(args, gpu_defaults_set)
     except (SettingsError, CheckpointError) as e:  # the library's messages say what to do
         fail(str(e))
 
 
-def train(args: argparse.Namespace) -> None:
+def train(args: argparse.Namespace, gpu_defaults_set: list[str] | None = None) -> None:
     import jax
     import numpy as np
     import wandb
@@ -148,6 +153,8 @@ def train(args: argparse.Namespace) -> None:
     print0(f"jaxchat base training | {jax.process_count()} process(es), {world} {device.platform} device(s) in the mesh"
            f" ({device.device_kind}) | {'FSDP' if settings.fsdp else 'data parallel, ZeRO-1 optimizer state'}"
            f" | remat {settings.remat}")
+    if gpu_defaults_set:
+        print0(f"GPU runtime defaults (not set by you): {' '.join(gpu_defaults_set)}")
     gradient_accumulation_steps(settings, world)  # a batch that does not divide fails before any loading
     # CORE during training needs the eval bundle: fetch it now rather than fail hours into the run
     if args.core_metric_every > 0:

@@ -1,0 +1,81 @@
+"""scripts.gpu_check on the CPU: it refuses without a GPU, and with --allow-cpu it runs the d2 versions of
+its measurements for real: one process each, the report rewritten after each, cuDNN's failure recorded
+and the rest still measured, and what does not fit the budget skipped."""
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+import time
+
+from scripts.gpu_check import ITEMS
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "scripts.gpu_check", *args]
+
+
+def environment(tmp_path) -> dict:
+    return {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu",
+            "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache")}
+
+
+def test_refuses_without_a_gpu(tmp_path):
+    report = tmp_path / "gpu.json"
+    done = subprocess.run(command("--json", str(report)), cwd=REPO, env=environment(tmp_path), capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2
+    assert "no GPU" in done.stderr and "--allow-cpu" in done.stderr
+    assert not report.exists()
+
+
+def test_every_measurement_on_the_cpu(tmp_path):
+    report = tmp_path / "gpu.json"
+    run = subprocess.Popen(command("--allow-cpu", "--json", str(report), "--steps", "2"), cwd=REPO,
+                           env=environment(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = []  # the number of measurements in the report each time it is read during the run
+    while run.poll() is None:
+        if report.exists():
+            seen.append(len(json.loads(report.read_text())["items"]))  # always whole JSON: replaced, never rewritten
+        time.sleep(0.05)
+    out, err = run.communicate()
+    final = json.loads(report.read_text())
+    items = {item["name"]: item for item in final["items"]}
+    assert [item["name"] for item in final["items"]] == [item.name for item in ITEMS], out + err
+    # the report was there, and growing, before the run ended: a run cut short keeps what it measured
+    assert any(0 < n < len(ITEMS) for n in seen) and seen == sorted(seen)
+
+    # no cuDNN on a CPU: that measurement fails, is recorded, and the ones after it still run
+    assert run.returncode == 1
+    assert items["attention"]["status"] == "failed" and "cuDNN" in items["attention"]["error"]
+    for name in ("environment", "memory_d20", "step_d20", "windows_d12", "flags_off"):
+        assert items[name]["status"] == "ok", items[name].get("error")
+    assert items["environment"]["result"]["backend"] == "cpu"
+
+    memory = items["memory_d20"]["result"]
+    assert memory["needed_gib"] > 0 and memory["fits_h100"] is True
+    assert memory["float32_logits_sized"] == []  # the loss head works in chunks
+    with gzip.open(tmp_path / memory["hlo"], "rt") as f:  # the optimised HLO, next to the report
+        assert f.read().startswith("HloModule")
+    assert items["step_d20"]["result"]["tok_per_s"] > 0
+    rows = items["windows_d12"]["result"]["rows"]
+    assert [row["config"].split()[-1] for row in rows] == ["SSSL", "L"]
+    # the measurements ran with jaxchat's GPU flags, flags_off without them
+    assert "xla_gpu_enable_latency_hiding_scheduler" in items["environment"]["result"]["xla_flags"]
+    assert "xla_gpu_enable_latency_hiding_scheduler" not in items["flags_off"]["result"]["xla_flags"]
+    assert items["flags_off"]["result"]["defaults_speedup"] == rows[0]["tok_per_s"] / items["flags_off"]["result"]["tok_per_s"]
+
+
+def test_what_does_not_fit_the_budget_is_skipped(tmp_path):
+    report = tmp_path / "gpu.json"
+    done = subprocess.run(command("--allow-cpu", "--json", str(report), "--budget-s", "1", "--only", "memory_d20",
+                                  "step_d20"), cwd=REPO, env=environment(tmp_path), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    items = json.loads(report.read_text())["items"]
+    assert [(item["name"], item["status"]) for item in items] == [
+        ("environment", "ok"), ("memory_d20", "skipped"), ("step_d20", "skipped")]
+    assert "budget left" in items[1]["error"]
