@@ -114,6 +114,12 @@ def rms_norm(x: jax.Array) -> jax.Array:
     return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
+def mix(x: jax.Array, x0: jax.Array, resid_lambda: jax.Array, x0_lambda: jax.Array) -> jax.Array:
+    """resid_lambda * x + x0_lambda * x0 in float32, rounded once to x's dtype (as PyTorch's bf16 tensor
+    times a float32 scalar): the lambdas are not rounded to bf16 first."""
+    return (resid_lambda * x.astype(jnp.float32) + x0_lambda * x0.astype(jnp.float32)).astype(x.dtype)
+
+
 def rotary_cos_sin(positions: jax.Array, head_dim: int) -> tuple[jax.Array, jax.Array]:
     """cos/sin of shape (T, head_dim/2) for integer positions, rounded to bfloat16 as nanochat's table."""
     inv_freq = 1.0 / (ROTARY_BASE ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
@@ -248,10 +254,7 @@ class GPT(nnx.Module):
         return rms_norm(jnp.take(self.wte.embedding[...], idx, axis=0).astype(self.dtype))
 
     def _mix(self, i: int, x: jax.Array, x0: jax.Array) -> jax.Array:
-        # in float32, rounded once (as PyTorch's bf16 tensor times a float32 scalar): the lambdas are not
-        # rounded to bf16 first
-        mixed = self.resid_lambdas[i] * x.astype(jnp.float32) + self.x0_lambdas[i] * x0.astype(jnp.float32)
-        return mixed.astype(x.dtype)
+        return mix(x, x0, self.resid_lambdas[i], self.x0_lambdas[i])
 
     def _unembedding(self) -> jax.Array:
         """lm_head's kernel without the padded vocabulary columns: (C, vocab_size)."""
@@ -261,13 +264,14 @@ class GPT(nnx.Module):
         """idx (B, T) -> the normalised final hidden states (B, T, C) that the loss head reads."""
         cos, sin = rotary_cos_sin(jnp.arange(idx.shape[1]), self.config.head_dim)
         x = x0 = self._embed(idx)
-        policy = REMAT_POLICIES[self.remat]
+
+        def layer(block, x, x0, lam, lam0):  # the residual mix inside: its float32 copies are never kept
+            return block(mix(x, x0, lam, lam0), cos, sin)
+
+        if self.remat != "none":
+            layer = nnx.remat(layer, policy=REMAT_POLICIES[self.remat])
         for i, block in enumerate(self.blocks):
-            x = self._mix(i, x, x0)
-            if self.remat == "none":
-                x = block(x, cos, sin)
-            else:
-                x = nnx.remat(lambda b, x: b(x, cos, sin), policy=policy)(block, x)
+            x = layer(block, x, x0, self.resid_lambdas[i], self.x0_lambdas[i])
         return rms_norm(x)
 
     def __call__(self, idx: jax.Array, targets: jax.Array | None = None, loss_reduction: str = "mean") -> jax.Array:
