@@ -34,10 +34,11 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
-from jaxchat.common import get_base_dir, print0
+from jaxchat.common import get_base_dir, key_name, print0
 from jaxchat.gpt import GPT, GPTConfig
+from jaxchat.mesh import make_mesh, replicated
 
 LATEST = "latest"  # restore(step=LATEST): the newest complete checkpoint
 CHECKPOINTS_SUBDIR = "base_checkpoints"
@@ -172,20 +173,13 @@ def _abstract_with_shardings(abstract, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
 
 
-def _key_name(key) -> str:
-    for attribute in ("name", "key", "idx"):
-        if hasattr(key, attribute):
-            return str(getattr(key, attribute))
-    return str(key)
-
-
 def _signature(tree) -> dict[str, tuple[tuple, str]]:
     """{dotted path: (shape, dtype)} of every leaf; the same paths for a live tree and Orbax's metadata.
     The length of Muon's stacks is left out: it is padded to a multiple of the device count (jaxchat.optim
     ParamLayout), so a run restored on other devices re-pads them (zero matrices added or dropped)."""
     signature = {}
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        names = [_key_name(k) for k in path]
+        names = [str(key_name(k)) for k in path]
         shape = tuple(x.shape)
         if "muon" in names[:-1] and len(shape) == 3:
             shape = ("stack",) + shape[1:]
@@ -433,11 +427,11 @@ def find_model_tag(checkpoints_root: str) -> str:
 
 
 def load_model(model_tag: str | None = None, step: int | None = None, base_dir: str | None = None,
-               tokenizer=None, **model_kwargs) -> tuple[GPT, dict]:
-    """The GPT of a checkpoint, built from its metadata alone, parameters replicated on every device
-    (no optimizer state is read). model_tag None: the deepest d<N> run; step None: the newest complete
-    step. With a tokenizer, a vocabulary that differs from the model's is refused. model_kwargs go to
-    GPT (dtype, attention_implementation)."""
+               tokenizer=None, mesh: Mesh | None = None, **model_kwargs) -> tuple[GPT, dict]:
+    """The GPT of a checkpoint, built from its metadata alone, parameters replicated over `mesh` (default:
+    every device; no optimizer state is read). model_tag None: the deepest d<N> run; step None: the newest
+    complete step. With a tokenizer, a vocabulary that differs from the model's is refused. model_kwargs go
+    to GPT (dtype, attention_implementation)."""
     root = os.path.join(base_dir or get_base_dir(), CHECKPOINTS_SUBDIR)
     model_tag = model_tag or find_model_tag(root)
     with Checkpointer(os.path.join(root, model_tag), read_only=True) as ckpt:
@@ -448,8 +442,7 @@ def load_model(model_tag: str | None = None, step: int | None = None, base_dir: 
         config = GPTConfig(**ckpt.read_meta(step)["model_config"])
         abstract_model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0), **model_kwargs))
         graphdef, abstract_params, rest = nnx.split(abstract_model, nnx.Param, ...)
-        replicated = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), PartitionSpec())
-        shardings = jax.tree.map(lambda _: replicated, abstract_params)
+        shardings = replicated(abstract_params, mesh or make_mesh())
         params, _, meta = ckpt.restore(step, abstract_params, None, shardings, tokenizer=tokenizer)
     print0(f"Loaded {model_tag} step {step} from {ckpt.directory}")
     return nnx.merge(graphdef, params, rest), meta

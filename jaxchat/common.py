@@ -48,6 +48,14 @@ def get_base_dir() -> str:
     return base_dir
 
 
+def key_name(key) -> str | int:
+    """The name in one step of a jax key path: a dict key, an attribute or a sequence index."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return getattr(key, attr)
+    return str(key)
+
+
 def tree_nbytes(*trees) -> int:
     """Bytes of every array (or ShapeDtypeStruct) in the trees: what a checkpoint of them holds."""
     return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for tree in trees for x in jax.tree.leaves(tree))

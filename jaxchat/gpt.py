@@ -332,28 +332,12 @@ def reduce_losses(losses: jax.Array, valid: jax.Array, reduction: str = "mean") 
     raise ValueError(f"unknown loss_reduction {reduction!r}: use 'mean', 'sum' or 'none'")
 
 
-def param_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of every parameter, by nanochat name, PyTorch (out, in) layout."""
-    C, V, hd = config.n_embd, config.padded_vocab_size, config.head_dim
-    shapes = {"transformer.wte.weight": (V, C)}
-    for i in range(config.n_layer):
-        p = f"transformer.h.{i}."
-        shapes[p + "attn.c_q.weight"] = (config.n_head * hd, C)
-        shapes[p + "attn.c_k.weight"] = (config.n_kv_head * hd, C)
-        shapes[p + "attn.c_v.weight"] = (config.n_kv_head * hd, C)
-        shapes[p + "attn.c_proj.weight"] = (C, C)
-        shapes[p + "mlp.c_fc.weight"] = (4 * C, C)
-        shapes[p + "mlp.c_proj.weight"] = (C, 4 * C)
-    shapes["lm_head.weight"] = (V, C)
-    shapes["resid_lambdas"] = (config.n_layer,)
-    shapes["x0_lambdas"] = (config.n_layer,)
-    return shapes
-
-
 def estimate_flops(config: GPTConfig) -> int:
-    shapes = param_shapes(config)
-    excluded = ("transformer.wte.weight", "resid_lambdas", "x0_lambdas")
-    matmul_params = sum(math.prod(s) for name, s in shapes.items() if name not in excluded)
+    """Training FLOPs per token, nanochat's estimate: 6 x the weights of every matmul (the model's linear
+    kernels, lm_head included; not wte, a lookup, nor the lambdas) + 12 x heads x head_dim x window for
+    each layer's attention scores and values."""
+    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    matmul_params = sum(math.prod(node.kernel.shape) for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Linear))
     attention = sum(12 * config.n_head * config.head_dim * min(w, config.sequence_len) for w in config.window_sizes())
     return 6 * matmul_params + attention
 

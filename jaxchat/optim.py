@@ -16,6 +16,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from jaxchat.common import key_name
 from jaxchat.mesh import DATA_AXIS
 from jaxchat.muon import muon
 
@@ -88,17 +89,9 @@ def group_learning_rates(
 
 
 # ---- parameter groups ----------------------------------------------------------------------------
-def _key_name(key) -> str | int:
-    """The name in one step of a jax key path: a dict key, an attribute or a sequence index."""
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return getattr(key, attr)
-    return str(key)
-
-
 def param_path(path) -> tuple:
     """('blocks', 0, 'attn', 'c_q', 'kernel') from a jax key path (nnx's trailing .value dropped)."""
-    names = tuple(_key_name(k) for k in path)
+    names = tuple(key_name(k) for k in path)
     return names[:-1] if names and names[-1] == "value" else names
 
 
@@ -236,12 +229,12 @@ class Optimizer:
         """Logical axes of every optimizer-state leaf (a list in leaf order): those of the view leaf it
         belongs to, found as the end of its path (mu, nu and momentum are view-shaped trees); none for
         step counts."""
-        view_axes = {tuple(str(_key_name(k)) for k in path): axes
+        view_axes = {tuple(str(key_name(k)) for k in path): axes
                      for path, axes in jax.tree_util.tree_flatten_with_path(
                          self.layout.view_axes(param_axes), is_leaf=lambda x: isinstance(x, tuple))[0]}
 
         def axes_of(path, leaf):
-            names = tuple(str(_key_name(k)) for k in path)
+            names = tuple(str(key_name(k)) for k in path)
             for start in range(len(names)):
                 if names[start:] in view_axes:
                     return view_axes[names[start:]]

@@ -2,15 +2,15 @@
 kept for the backward pass of a small function, tensor types of lowered StableHLO, and the whole
 estimate on a d2 model."""
 
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxchat.gpt import GPTConfig, param_shapes
+from jaxchat.gpt import GPT, GPTConfig
 from scripts.bench import (SLICED_ALL_REDUCE, bench_memory, hlo_collectives, kept_activations,
                            partitioned_hlo, stablehlo_tensors)
 
@@ -127,7 +127,7 @@ def test_memory_estimate_of_a_d2_model():
     result = bench_memory(depth=2, device_batch_size=batch, max_seq_len=seq, vocab_size=vocab, num_devices=devices,
                           attention="cudnn", device_gib=1.0)
     rows = {r["what"]: r["gib"] * 2**30 for r in result["per_device"]}
-    num_params = sum(math.prod(s) for s in param_shapes(GPTConfig.from_depth(2, vocab, max_seq_len=seq)).values())
+    num_params = GPT(GPTConfig.from_depth(2, vocab, max_seq_len=seq), rngs=nnx.Rngs(0)).num_scaling_params()
     assert rows["parameters"] == 4 * num_params  # float32, replicated
     assert rows["gradient accumulator"] == 4 * num_params  # float32, whole on each device until its reduce-scatter
     assert rows["total"] == pytest.approx(sum(v for k, v in rows.items() if k != "total"), rel=1e-12)
