@@ -1,6 +1,6 @@
 """
 The pretraining data loader: parquet row groups -> documents -> tokens (BOS first) ->
-BOS-aligned best-fit rows (SPEC §7) -> (grad_accum, batch, T) int32 inputs and targets.
+BOS-aligned best-fit rows (nanochat's nanochat/dataloader.py) -> (grad_accum, batch, T) int32 inputs and targets.
 
 Every row holds T+1 tokens and starts with a document's BOS. To fill a row, the packer keeps
 moving the longest buffered document that still fits; when none fits it crops the shortest
@@ -36,7 +36,7 @@ DocumentRef = tuple[int, int]  # (row group position in this process's stream, d
 
 
 class BestFitPacker:
-    """A buffer of tokenised documents and SPEC §7's rule for filling one row from it.
+    """A buffer of tokenised documents and nanochat's rule for filling one row from it.
 
     Ties go to the oldest document (nanochat scans its buffer in insertion order and keeps the
     first best). Documents are kept sorted by (length, arrival) so that each pick is a bisection,
@@ -239,7 +239,7 @@ class BosBestFitIterDataset(grain.IterDataset):
 
 
 def tokenize_documents(tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
-    """Token arrays with BOS prepended, encoded 128 documents per tokenizer call (SPEC §7)."""
+    """Token arrays with BOS prepended, encoded 128 documents per tokenizer call (as nanochat)."""
     bos = tokenizer.get_bos_token_id()
     docs = []
     for start in range(0, len(texts), TOKENIZER_BATCH_DOCS):

@@ -1,5 +1,5 @@
 """Bits per byte: the loss in bits per byte of text rather than per token, so that models with
-different tokenizers (or vocabulary sizes) compare on the same footing (SPEC §9).
+different tokenizers (or vocabulary sizes) compare on the same footing (nanochat's nanochat/loss_eval.py).
 
     bpb = sum of losses (nats) over targets that stand for text / (ln 2 * sum of their bytes)
 

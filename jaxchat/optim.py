@@ -1,5 +1,5 @@
 """The optimizer of base training: Muon for the block matrices, AdamW for everything else, as one
-optax.partition, with nanochat's scaling rules and schedules (SPEC §5-6, base_train.py).
+optax.partition, with the scaling rules and schedules of nanochat's scripts/base_train.py (the commit in the README).
 
 The schedules are pure functions of the step, written with jnp so they work on traced steps inside
 the optimizer and on Python ints for printing. Each transform counts its own updates from 0, so the

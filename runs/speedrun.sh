@@ -32,11 +32,11 @@ python -m jaxchat.report reset
 # Data. The tokenizer trains on the first 2B characters: 2e9 / 250M characters per shard = 8 shards,
 # plus one more because the last shard present is always the validation split.
 python -m jaxchat.dataset -n 9
-# The shards pretraining needs (nanochat's arithmetic, for SPEC's d20):
+# The shards pretraining needs (nanochat's arithmetic in its speedrun.sh, for d20):
 #   d20 has 560,988,200 parameters; the default --target-param-data-ratio=8 gives
 #   8 x 560,988,200 // 524,288 = 8,559 steps of 524,288 tokens = 4.49B tokens.
 #   At ~4.8 characters per token (the 65,536-token tokenizer on FineWeb-Edu) that is 21.5B characters.
-#   Best-fit packing crops ~35% of the tokens it reads at T=2048 (SPEC §7), so the loader reads
+#   Best-fit packing crops ~35% of the tokens it reads at T=2048 (nanochat's figure), so the loader reads
 #   21.5B / 0.65 = 33.1B characters = 133 shards of 250M characters; + 1 validation shard = 134.
 #   Rounded up to 150 for margin (~100 MB each, ~15 GB). (An epoch counter above 1 in the step
 #   lines means the loader wrapped around: download more with a larger -n and resume.)

@@ -1,4 +1,4 @@
-"""Evaluate a base model checkpoint on CORE (DCLM's 22 in-context tasks; SPEC §9).
+"""Evaluate a base model checkpoint on CORE (DCLM's 22 in-context tasks, arXiv 2406.11794, as nanochat's scripts/base_eval.py).
 
     python -m scripts.base_eval                              # the deepest model, its newest step
     python -m scripts.base_eval --model-tag d12 --step 5000 --max-per-task 100

@@ -33,6 +33,7 @@ its CPU cost, and the size and restore time of its checkpoint state.
 import argparse
 import collections
 import contextlib
+import itertools
 import dataclasses
 import json
 import math
@@ -59,7 +60,7 @@ from jaxchat.runtime import GPU_MEMORY_FRACTION
 from jaxchat.trainer import abstract_model
 
 TARGET_TOKENS_PER_S = 1e6  # what a d20 run on 8 H100s consumes per host
-FINEWEB_CROPPED_FRACTION = 0.35  # SPEC §7, nanochat's figure at T=2048 on FineWeb-Edu
+FINEWEB_CROPPED_FRACTION = 0.35  # nanochat's figure for best-fit packing at T=2048 on FineWeb-Edu
 
 
 def print_table(results: list[dict], columns: list[tuple[str, str]]) -> None:
@@ -162,7 +163,7 @@ def bench_train(*, depth: int, aspect_ratio: int = 64, head_dim: int = 128, max_
         peak, peak_kind = cpu_matmul_flops_per_s(), "f32 matmul"
     memory, memory_kind = peak_memory_bytes(jax.local_devices())
     return {
-        "config": f"d{depth} T{max_seq_len} B{device_batch_size}x{world}x{grad_accum} V{vocab_size} {window_pattern}"
+        "config": f"d{depth} T{max_seq_len} B{device_batch_size}x{world}x{grad_accum} V{vocab_size} {window_pattern} remat={remat}"
                   + (" fsdp" if fsdp else ""),
         "params": sum(x.size for x in jax.tree.leaves(params)),
         "device": f"{world}x {device.device_kind}",
@@ -650,14 +651,13 @@ LOADER_COLUMNS = [("workers", "{:d}"), ("tokens_per_s", "{:,.0f}"), ("read_per_s
 
 def main_train(args: argparse.Namespace) -> list[dict]:
     results = []
-    for pattern in args.window_pattern:
-        for depth in args.depth:
-            results.append(bench_train(
-                depth=depth, aspect_ratio=args.aspect_ratio, head_dim=args.head_dim, max_seq_len=args.max_seq_len,
-                device_batch_size=args.device_batch_size, grad_accum=args.grad_accum, vocab_size=args.vocab_size,
-                window_pattern=pattern, num_devices=args.num_devices, fsdp=args.fsdp, steps=args.steps,
-                attention=args.attention))
-            print(f"... {results[-1]['config']}: {results[-1]['step_ms']:.1f} ms/step", flush=True)
+    for pattern, depth, remat in itertools.product(args.window_pattern, args.depth, args.remat):
+        results.append(bench_train(
+            depth=depth, aspect_ratio=args.aspect_ratio, head_dim=args.head_dim, max_seq_len=args.max_seq_len,
+            device_batch_size=args.device_batch_size, grad_accum=args.grad_accum, vocab_size=args.vocab_size,
+            window_pattern=pattern, num_devices=args.num_devices, fsdp=args.fsdp, steps=args.steps,
+            attention=args.attention, remat=remat))
+        print(f"... {results[-1]['config']}: {results[-1]['step_ms']:.1f} ms/step", flush=True)
     print_table(results, TRAIN_COLUMNS)
     print("update_share: one optimizer update alone over the whole step. xla_over_estimate: XLA's FLOPs of "
           "forward+backward over estimate_flops x tokens. polar_over_model: Muon's Polar Express FLOPs over the "
@@ -771,6 +771,8 @@ def main(argv: list[str] | None = None) -> None:
     train.add_argument("--fsdp", action="store_true")
     train.add_argument("--attention", choices=["cudnn", "xla"], default=None)
     train.add_argument("--steps", type=int, default=10, help="timed steps after one warm-up step")
+    train.add_argument("--remat", nargs="+", choices=list(REMAT_POLICIES), default=[RunSettings.remat],
+                       help="one row per policy (default: scripts.train's)")
     checkpoint = sub.add_parser("checkpoint", help="async against blocking checkpoint saves; sizes")
     checkpoint.add_argument("--depth", type=int, default=4)
     checkpoint.add_argument("--vocab-size", type=int, default=8192)

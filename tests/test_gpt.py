@@ -1,4 +1,4 @@
-"""The GPT against SPEC §1-4: counts, an independent float64 NumPy forward, windows, GQA, KV cache,
+"""The GPT against nanochat's architecture (nanochat/gpt.py at the README's commit): counts, an independent float64 NumPy forward, windows, GQA, KV cache,
 and losses (the nanochat state-dict interop: test_export.py)."""
 
 import math
@@ -29,7 +29,7 @@ def np_cross_entropy(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 
 # ---- counting -------------------------------------------------------------------------------------
 def spec_flops(config: GPTConfig, n_params: int) -> int:
-    """SPEC §4 written out: 6 (N - wte - lambdas) + sum_l 12 H D min(window_l, T)."""
+    """nanochat's estimate_flops written out: 6 (N - wte - lambdas) + sum_l 12 H D min(window_l, T)."""
     V, C, L = config.padded_vocab_size, config.n_embd, config.n_layer
     windows = [config.sequence_len if config.window_pattern[i % len(config.window_pattern)] == "L"
                else config.sequence_len // 2 for i in range(L)]

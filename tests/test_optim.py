@@ -1,5 +1,5 @@
 """setup_optimizer: groups, scaling rules and schedules against hand-computed values and float64
-references written here from SPEC §5-6 and base_train.py."""
+references written here from nanochat's nanochat/muon.py, adamw.py and scripts/base_train.py."""
 
 import math
 
