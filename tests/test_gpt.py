@@ -1,5 +1,5 @@
-"""The GPT against nanochat's architecture (nanochat/gpt.py at the README's commit): counts, an independent float64 NumPy forward, windows, GQA, KV cache,
-and losses (the nanochat state-dict interop: test_export.py)."""
+"""The GPT against nanochat's architecture (nanochat/gpt.py at the README's commit): counts, an independent
+float64 NumPy forward, windows, GQA, KV cache, losses and remat (the state-dict interop: test_export.py)."""
 
 import math
 
