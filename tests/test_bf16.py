@@ -133,9 +133,9 @@ def test_no_float32_scalar_is_rounded_to_bf16_in_the_train_step(train_step_jaxpr
 def test_bf16_forward_is_as_accurate_as_nanochats():
     """Logits of the bf16 forward against the float64 forward on the same weights, next to the float64
     forward rounded where nanochat rounds (bf16 autocast, wte in bf16): jaxchat's relative error must
-    not exceed nanochat's by more than 5%. Measured over seeds 0-3: 0.97-1.01x; 0.91-0.96x with
-    GPT._mix's lambdas applied in float32; 26-30x with bf16's epsilon in rms_norm (these embeddings
-    have a mean square of 1/128, close to that epsilon; at nanochat's std-1 init it was 1.05x)."""
+    not exceed nanochat's. Measured over seeds 0-3: 0.87-0.92x (the residual mix in float32, the logits
+    accumulated in float32); 0.97-1.01x with the lambdas rounded to bf16 and bf16 logits; 26-30x with
+    bf16's epsilon in rms_norm (these embeddings have a mean square of 1/128, close to that epsilon)."""
     sd = to_nanochat_state_dict(randomized(CONFIG, seed=2))
     model = from_nanochat_state_dict(CONFIG, sd, dtype=jnp.bfloat16)
     idx = np.random.default_rng(0).integers(0, CONFIG.vocab_size, size=(2, CONFIG.sequence_len))
@@ -143,4 +143,4 @@ def test_bf16_forward_is_as_accurate_as_nanochats():
     ours = rel_err(np.asarray(model(jnp.asarray(idx)), np.float64), exact)
     nanochat = rel_err(np_forward(sd, CONFIG, idx, rnd=bf16_round), exact)
     assert 1e-3 < nanochat < 3e-2, nanochat  # bf16 rounding, not a broken reference
-    assert ours <= 1.05 * nanochat, (ours, nanochat)
+    assert ours <= nanochat, (ours, nanochat)
