@@ -1,7 +1,12 @@
 """Every test runs on the CPU with 8 virtual devices, so multi-device code is tested
-without a GPU. Must run before JAX is imported anywhere."""
+without a GPU. Must run before JAX is imported anywhere. Also what several test files share: the
+built-in corpus and a user's base dir, subprocesses of JAX (scripts.train, workers), and float64
+NumPy references."""
 
 import os
+import socket
+import subprocess
+import sys
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -10,6 +15,8 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="session")
@@ -37,6 +44,47 @@ def make_base_dir(builtin_docs):
         return path
 
     return make
+
+
+@pytest.fixture(scope="session")
+def subprocess_env(tmp_path_factory):
+    """env(**overrides) -> the environment for a subprocess that runs JAX (a script, a worker): this
+    process's, unbuffered, with one persistent XLA compilation cache for the whole session. Compiling is
+    most of a short run's time: a run resumed later, or any run of the same program, loads it instead."""
+    cache = str(tmp_path_factory.mktemp("xla_cache"))
+
+    def env(**overrides: str) -> dict[str, str]:
+        return {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_COMPILATION_CACHE_DIR": cache,
+                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+                **overrides}
+
+    return env
+
+
+@pytest.fixture(scope="session")
+def free_port():
+    """free_port() -> a TCP port of 127.0.0.1 that nothing listens on (a coordinator's, or a refused download's)."""
+
+    def pick() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    return pick
+
+
+@pytest.fixture(scope="session")
+def start_train(subprocess_env):
+    """start_train(base_dir, *flags, **env) -> the Popen of `python -m scripts.train *flags` as a user
+    starts it on base_dir (JAXCHAT_BASE_DIR), from the repository root; its output (stderr merged into
+    stdout, as on a terminal) is a text pipe."""
+
+    def start(base_dir, *flags: str, **env: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "scripts.train", *flags], cwd=REPO_ROOT,
+                                env=subprocess_env(JAXCHAT_BASE_DIR=str(base_dir), **env),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    return start
 
 
 # ---- float64 NumPy references shared by several test files ---------------------------------------

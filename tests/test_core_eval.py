@@ -264,6 +264,7 @@ def test_core_matches_hand_computation(bundle_dir, tokenizer, max_len, max_per_t
         accuracy, margin = reference_accuracy(task_type, examples[label], table, position_bias)
         assert margin > 1e-3, "the fixture must not sit on a float32 tie"
         assert 0 < accuracy < 1, "the fixture must have right and wrong answers"
+        # accuracies are counts / n in float64 on both sides (the margin above keeps every count the same)
         assert out["results"][label] == pytest.approx(accuracy, abs=1e-12), label
         expected_centered[label] = (accuracy - 0.01 * baseline) / (1 - 0.01 * baseline)
         assert out["centered_results"][label] == pytest.approx(expected_centered[label], abs=1e-12)
@@ -292,6 +293,8 @@ def test_rows_and_scores_per_example_match_the_reference(bundle_dir, tokenizer, 
                 logits = table[row[s - 1: e - 1]] + position_bias[s - 1: e - 1]
                 logz = np.log(np.exp(logits).sum(axis=1))
                 expected.append(np.mean(logz - logits[np.arange(e - s), row[s:e]]))
+            # float32 log-sum-exp of logits up to ~20 against float64: a few eps32 of 20 (~5e-6) absolute,
+            # which rtol covers for losses of ~1..6 and atol for the near-zero ones of boosted bigrams
             np.testing.assert_allclose(row_losses, expected, rtol=1e-5, atol=1e-5)
             first_logits = table[rows[0][spans[0][0] - 1: spans[0][1] - 1]] + position_bias[spans[0][0] - 1: spans[0][1] - 1]
             assert row_predicted == bool(np.all(first_logits.argmax(axis=1) == rows[0][spans[0][0]: spans[0][1]]))

@@ -1,5 +1,6 @@
 """The report card: sections as the stages write them, the summary table pulled from them, the training
-curve (CSV that survives a resume, PNG drawn from it), the system section, and the command line."""
+curve (CSV that survives a resume, PNG drawn from it), the system section, and the command line.
+(scripts.train writing the curve across a real resume: test_checkpoint.py's end-to-end runs.)"""
 
 import csv
 import os
@@ -128,51 +129,3 @@ def test_command_line(tmp_path, monkeypatch, capsys):
     assert os.path.getsize(tmp_path / "report" / "training_curve.png") > 0
     with pytest.raises(SystemExit):
         report.main(["publish"])
-
-
-# -----------------------------------------------------------------------------
-# scripts.train writes the curve: a fresh run starts it anew, a resumed run carries it on
-
-TRAIN_FLAGS = ["--depth=2", "--max-seq-len=64", "--device-batch-size=4", "--total-batch-size=256",
-               "--num-devices=1", "--num-iterations=12", "--eval-every=6", "--eval-tokens=256", "--save-every=6",
-               "--core-metric-every=-1", "--sample-every=-1", "--loader-workers=1", "--device-type=cpu"]
-
-
-def run_train(base_dir, *flags) -> str:
-    env = {**os.environ, "JAXCHAT_BASE_DIR": str(base_dir), "PYTHONUNBUFFERED": "1",
-           "JAX_COMPILATION_CACHE_DIR": str(base_dir / "xla_cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}  # the second run reuses the first's compilations
-    result = subprocess.run([sys.executable, "-m", "scripts.train", *TRAIN_FLAGS, *flags], cwd=REPO_ROOT, env=env,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    return result.stdout
-
-
-def printed_curve(out: str) -> tuple[dict[int, float], dict[int, float]]:
-    """Loss and val bpb by step, as the run printed them."""
-    train = {int(s): float(x) for s, x in re.findall(r"^step (\d+)/\d+ .*?\| loss: ([\d.]+) \|", out, re.M)}
-    val = {int(s): float(x) for s, x in re.findall(r"^Step (\d+) \| Validation bpb: ([\d.]+)$", out, re.M)}
-    return train, val
-
-
-def test_training_curve_survives_a_resume(tmp_path, make_base_dir):
-    make_base_dir(tmp_path, num_docs=200, chars_per_shard=100_000)
-    r = report.get_report(str(tmp_path))
-    r.append_curve([(500, 1.0, 1.0)])  # a previous run's curve: a fresh run must start anew
-
-    first = printed_curve(run_train(tmp_path))
-    assert sorted(first[0]) == list(range(12)) and sorted(first[1]) == [0, 6, 12]
-    curve = r.read_curve()
-    for logged, printed in zip(curve, first):
-        assert logged.keys() == printed.keys()
-        np.testing.assert_allclose(list(logged.values()), list(printed.values()), atol=1e-6)
-    with open(tmp_path / "report" / report.CURVE_CSV) as f:
-        rows_before = f.read().splitlines()
-
-    resumed = printed_curve(run_train(tmp_path, "--resume-from-step=6"))
-    assert sorted(resumed[0]) == list(range(6, 12)) and sorted(resumed[1]) == [6, 12]
-    with open(tmp_path / "report" / report.CURVE_CSV) as f:
-        rows_after = f.read().splitlines()
-    assert rows_after[:len(rows_before)] == rows_before  # appended to, not restarted
-    assert len(rows_after) == len(rows_before) + 6 + 2
-    assert r.read_curve() == curve  # the exact resume rewrote steps 6..12 with the same values
