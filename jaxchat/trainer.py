@@ -87,11 +87,12 @@ def _scatter_dim(spec: P) -> int | None:
     return list(spec).index(DATA_AXIS) if DATA_AXIS in spec else None
 
 
-def _reduce_scatter(x: jax.Array, spec: P) -> jax.Array:
-    """Inside shard_map: sum over the devices, each keeping the slice its spec gives it."""
+def _reduce_scatter(x: jax.Array, spec: P, reduce_scatter: bool = True) -> jax.Array:
+    """Inside shard_map: sum over the devices, each keeping the slice its spec gives it. With
+    reduce_scatter=False as an all-reduce and a slice (twice the bytes; see make_train_step)."""
     dim = _scatter_dim(spec)
-    if dim is None:
-        return jax.lax.psum(x, DATA_AXIS)
+    if dim is None or not reduce_scatter:
+        return _own_slice(jax.lax.psum(x, DATA_AXIS), spec)
     return jax.lax.psum_scatter(x, DATA_AXIS, scatter_dimension=dim, tiled=True)
 
 
@@ -119,6 +120,10 @@ def make_train_step(state: TrainState, optimizer: Optimizer, mesh: Mesh) -> Call
     graphdef, layout, tx = state.graphdef, optimizer.layout, optimizer.tx
     view_out = view_shardings(state, optimizer, mesh)
     view_specs = jax.tree.map(lambda s: s.spec, view_out)
+    # XLA:CPU's reduce-scatter across processes (gloo) is not reproducible from run to run (seen with
+    # JAX 0.10.2; an all-reduce is), which would break exact resume of a multi-process CPU run: there
+    # the gradients are all-reduced instead. GPUs (NCCL) and single-process runs reduce-scatter.
+    reduce_scatter = not (mesh.devices.flat[0].platform == "cpu" and jax.process_count() > 1)
 
     def accumulate(params, inputs, targets):
         def micro_step(grad_sum, batch):
@@ -136,7 +141,8 @@ def make_train_step(state: TrainState, optimizer: Optimizer, mesh: Mesh) -> Call
         """Per device (shard_map): its rows, the whole parameters, its share of the optimizer state."""
         grad_sum, loss = accumulate(params, inputs, targets)
         scale = 1.0 / (inputs.shape[0] * jax.lax.axis_size(DATA_AXIS))
-        grads = jax.tree.map(_reduce_scatter, layout.to_view(jax.tree.map(lambda g: g * scale, grad_sum)), view_specs)
+        grads = jax.tree.map(lambda g, spec: _reduce_scatter(g * scale, spec, reduce_scatter), layout.to_view(grad_sum),
+                             view_specs)
         view = jax.tree.map(_own_slice, layout.to_view(params), view_specs)
         updates, opt_state = tx.update(grads, opt_state, view)
         view = jax.tree.map(_all_gather, optax.apply_updates(view, updates), view_specs)
