@@ -196,10 +196,13 @@ def _describe_differences(saved: dict, wanted: dict, limit: int = 5) -> str:
 
 # ---- the checkpoint manager ---------------------------------------------------------------------
 
-class Checkpointer:
-    """Saves and restores the steps of one run in `directory`.
+class RunCheckpoints:
+    """The checkpoints of one run in `directory`: one Orbax CheckpointManager saving the state (params,
+    optimizer state), the data iterator's position and the metadata of a step together, as nanodo does;
+    one check (the step complete, the model, tokenizer, structure and process count compatible) before
+    any restore.
 
-        ckpt = Checkpointer(directory, max_to_keep=3)
+        ckpt = RunCheckpoints(directory, max_to_keep=3)
         ckpt.save(step, params, opt_state, train_iter, meta)           # returns while Orbax writes
         params, opt_state, meta = ckpt.restore("latest", abstract_params, abstract_opt_state,
                                                param_shardings, opt_shardings, data_iter=train_iter,
@@ -268,7 +271,7 @@ class Checkpointer:
         self._manager.wait_until_finished()
         self._manager.close()
 
-    def __enter__(self) -> "Checkpointer":
+    def __enter__(self) -> "RunCheckpoints":
         return self
 
     def __exit__(self, *exc) -> None:
@@ -434,7 +437,7 @@ def load_model(model_tag: str | None = None, step: int | None = None, base_dir: 
     to GPT (dtype, attention_implementation)."""
     root = os.path.join(base_dir or get_base_dir(), CHECKPOINTS_SUBDIR)
     model_tag = model_tag or find_model_tag(root)
-    with Checkpointer(os.path.join(root, model_tag), read_only=True) as ckpt:
+    with RunCheckpoints(os.path.join(root, model_tag), read_only=True) as ckpt:
         if step is None:
             step = ckpt.latest_step()
             if step is None:

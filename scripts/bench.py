@@ -247,7 +247,7 @@ def bench_checkpoint(*, depth: int, vocab_size: int, saves: int = 5, directory: 
     blocking Orbax writes: the time save() holds the caller, and the time until the step is on disk."""
     import grain  # the data and checkpoint stack is imported only where it is measured
 
-    from jaxchat.checkpoint import Checkpointer
+    from jaxchat.checkpoint import RunCheckpoints
 
     run = build_run(RunSettings(depth=depth, num_iterations=100, device_batch_size=1, total_batch_size=2048,
                                 num_devices=1), vocab_size)
@@ -263,7 +263,7 @@ def bench_checkpoint(*, depth: int, vocab_size: int, saves: int = 5, directory: 
     for async_save in (True, False):
         with tempfile.TemporaryDirectory(dir=directory) as tmp:
             blocked, complete = [], []
-            with Checkpointer(tmp, async_save=async_save) as checkpointer:
+            with RunCheckpoints(tmp, async_save=async_save) as checkpointer:
                 for step in range(saves + 1):  # the first save also sets Orbax up: left out
                     start = time.perf_counter()
                     checkpointer.save(step, params, opt_state, data_iter, meta)

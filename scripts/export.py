@@ -33,7 +33,7 @@ import re
 import safetensors.numpy
 from flax import nnx
 
-from jaxchat.checkpoint import CHECKPOINTS_SUBDIR, CheckpointError, Checkpointer, find_model_tag, load_model, tokenizer_info
+from jaxchat.checkpoint import CHECKPOINTS_SUBDIR, CheckpointError, RunCheckpoints, find_model_tag, load_model, tokenizer_info
 from jaxchat.common import get_base_dir, quiet_jax_warnings
 from jaxchat.interop import (TOKEN_BYTES_PT, TOKENIZER_PICKLE, config_from_nanochat_meta, from_nanochat_state_dict,
                              load_nanochat_state_dict, load_nanochat_tokenizer, nanochat_meta, save_nanochat_checkpoint,
@@ -137,7 +137,7 @@ def import_weights(weights_path: str, meta_path: str | None = None, tokenizer_pa
             if key in source_meta}
     meta.update(model_config=dataclasses.asdict(config), imported_from=os.path.abspath(weights_path),
                 tokenizer=tokenizer_info(tokenizer) if tokenizer is not None else None)
-    with Checkpointer(directory, async_save=False) as checkpointer:
+    with RunCheckpoints(directory, async_save=False) as checkpointer:
         if checkpointer.all_steps():
             raise ValueError(f"{directory} already holds checkpoints {checkpointer.all_steps()}: "
                              "import under another --model-tag")

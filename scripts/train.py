@@ -123,7 +123,7 @@ def train(args: argparse.Namespace, gpu_defaults_set: list[str] | None = None) -
     import numpy as np
     import wandb
 
-    from jaxchat.checkpoint import Checkpointer, check_writable, checkpoint_dir, tokenizer_info
+    from jaxchat.checkpoint import RunCheckpoints, check_writable, checkpoint_dir, tokenizer_info
     from jaxchat.common import DummyWandb, get_base_dir, is_master, peak_flops_per_device, print0, quiet_jax_warnings, tree_nbytes
     from jaxchat.core_eval import download_eval_bundle, evaluate_core
     from jaxchat.dataloader import make_train_loader, make_val_loader
@@ -173,7 +173,7 @@ def train(args: argparse.Namespace, gpu_defaults_set: list[str] | None = None) -
     # Checkpoints: <base_dir>/base_checkpoints/<model_tag or d{depth}>, checked before any compute
     run_checkpoint_dir = checkpoint_dir(args.model_tag, args.depth, get_base_dir())
     check_writable(run_checkpoint_dir, bytes_needed=tree_nbytes(run.state.params, run.state.opt_state))
-    checkpointer = Checkpointer(run_checkpoint_dir, max_to_keep=None if args.keep_checkpoints < 1 else args.keep_checkpoints)
+    checkpointer = RunCheckpoints(run_checkpoint_dir, max_to_keep=None if args.keep_checkpoints < 1 else args.keep_checkpoints)
     resuming = args.resume_from_step != -1
     if args.resume_from_step == LATEST and not checkpointer.all_steps():
         # a requeued job's first start: 'latest' with nothing saved yet means a fresh run

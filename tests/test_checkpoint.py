@@ -135,13 +135,13 @@ def test_round_trip_params_optimizer_data_and_meta(tmp_path):
     reference.close()
 
     mesh = make_mesh()
-    with ckpt.Checkpointer(str(tmp_path), async_save=True) as saver:
+    with ckpt.RunCheckpoints(str(tmp_path), async_save=True) as saver:
         saver.save(7, params, opt_state, loader, training_meta())
         next(loader)  # the state was taken at save time: advancing now must not leak into the checkpoint
     loader.close()
 
     fresh = data_iterator()
-    with ckpt.Checkpointer(str(tmp_path)) as loader_ckpt:
+    with ckpt.RunCheckpoints(str(tmp_path)) as loader_ckpt:
         assert loader_ckpt.all_steps() == [7] and loader_ckpt.latest_step() == 7
         p_shard, o_shard = replicated(abstract(params), mesh), sharded(abstract(opt_state), mesh)
         got_params, got_opt, meta = loader_ckpt.restore(7, abstract(params), abstract(opt_state), p_shard, o_shard,
@@ -164,7 +164,7 @@ def test_async_save_copies_the_arrays_before_returning(tmp_path):
     already hold its own copy. Deleting every buffer at once must not change what gets written."""
     params, opt_state = trained_state()
     params_ref, opt_ref = host_copy(params), host_copy(opt_state)
-    with ckpt.Checkpointer(str(tmp_path), async_save=True) as saver:
+    with ckpt.RunCheckpoints(str(tmp_path), async_save=True) as saver:
         saver.save(3, params, opt_state, None, training_meta())
         for x in jax.tree.leaves((params, opt_state)):
             x.delete()
@@ -178,7 +178,7 @@ def test_async_save_copies_the_arrays_before_returning(tmp_path):
 
 def test_metadata_must_be_json_and_complete(tmp_path):
     params, opt_state = trained_state(steps=0)
-    with ckpt.Checkpointer(str(tmp_path)) as saver:
+    with ckpt.RunCheckpoints(str(tmp_path)) as saver:
         with pytest.raises(ValueError, match="lacks \\['loop_state'\\]"):
             saver.save(1, params, opt_state, None, {k: v for k, v in training_meta().items() if k != "loop_state"})
         with pytest.raises(TypeError, match="not JSON"):
@@ -196,12 +196,12 @@ def test_saved_on_8_devices_restored_on_fewer(tmp_path, devices):
     params = jax.device_put(params, sharded(params, mesh8))  # FSDP over 8 devices
     opt_state = jax.device_put(opt_state, sharded(opt_state, mesh8))
     assert any(len(x.sharding.device_set) == 8 and not x.sharding.is_fully_replicated for x in jax.tree.leaves(params))
-    with ckpt.Checkpointer(str(tmp_path)) as saver:
+    with ckpt.RunCheckpoints(str(tmp_path)) as saver:
         saver.save(5, params, opt_state, None, training_meta())
 
     mesh = make_mesh(devices)
     p_shard, o_shard = sharded(abstract(params), mesh), sharded(abstract(opt_state), mesh)
-    with ckpt.Checkpointer(str(tmp_path)) as loader:
+    with ckpt.RunCheckpoints(str(tmp_path)) as loader:
         got_params, got_opt, _ = loader.restore(5, abstract(params), abstract(opt_state), p_shard, o_shard)
     assert_tree_equal(got_params, params_ref)
     assert_tree_equal(got_opt, opt_ref)
@@ -225,10 +225,10 @@ def test_muon_stacks_saved_on_8_devices_resume_on_3(tmp_path):
     batch = put_batch(tokens, batch_sharding(mesh8))
     state.params, state.opt_state, _ = make_train_step(state, opt8, mesh8)(state.params, state.opt_state, batch, batch)
     saved = opt8.layout.from_view(state.opt_state.inner_states["muon"].inner_state.momentum)
-    with ckpt.Checkpointer(str(tmp_path)) as saver:
+    with ckpt.RunCheckpoints(str(tmp_path)) as saver:
         saver.save(1, state.params, state.opt_state, None, training_meta())
     opt3, target = train_state(make_mesh(3))
-    with ckpt.Checkpointer(str(tmp_path)) as loader:
+    with ckpt.RunCheckpoints(str(tmp_path)) as loader:
         params, opt_state, _ = loader.restore(1, target.params, target.opt_state, target.param_shardings,
                                               target.opt_shardings)
     momentum = opt_state.inner_states["muon"].inner_state.momentum["muon"]
@@ -246,10 +246,10 @@ def test_replicated_save_restored_fsdp(tmp_path):
     params_ref = host_copy(params)
     mesh = make_mesh(8)
     params = jax.device_put(params, replicated(params, mesh))  # data parallel
-    with ckpt.Checkpointer(str(tmp_path)) as saver:
+    with ckpt.RunCheckpoints(str(tmp_path)) as saver:
         saver.save(5, params, opt_state, None, training_meta())
     target = sharded(abstract(params), mesh)
-    with ckpt.Checkpointer(str(tmp_path)) as loader:
+    with ckpt.RunCheckpoints(str(tmp_path)) as loader:
         got_params, _, _ = loader.restore(5, abstract(params), None, target)
     assert_tree_equal(got_params, params_ref)
     wte = got_params["wte"]["embedding"].get_value()
@@ -259,7 +259,7 @@ def test_replicated_save_restored_fsdp(tmp_path):
 
 def test_shardings_may_come_with_the_abstract_leaves(tmp_path):
     params, _ = trained_state(steps=0)
-    with ckpt.Checkpointer(str(tmp_path)) as saver:
+    with ckpt.RunCheckpoints(str(tmp_path)) as saver:
         saver.save(1, params, None, None, training_meta())
         mesh = make_mesh(2)
         target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -294,7 +294,7 @@ def _damage(step_dir: str, how: str) -> None:
                                  "interrupted while written"])
 def test_latest_skips_a_damaged_newest_step(tmp_path, capsys, how):
     states = {step: trained_state(seed=step) for step in (10, 20)}
-    with ckpt.Checkpointer(str(tmp_path)) as saver:
+    with ckpt.RunCheckpoints(str(tmp_path)) as saver:
         for step, (params, opt_state) in states.items():
             saver.save(step, params, opt_state, None, training_meta())
     _damage(os.path.join(tmp_path, "20"), how)
@@ -303,7 +303,7 @@ def test_latest_skips_a_damaged_newest_step(tmp_path, capsys, how):
     params, opt_state = states[10]
     mesh = make_mesh(1)
     shardings = replicated(abstract(params), mesh), replicated(abstract(opt_state), mesh)
-    with ckpt.Checkpointer(str(tmp_path)) as loader:
+    with ckpt.RunCheckpoints(str(tmp_path)) as loader:
         got_params, got_opt, meta = loader.restore(ckpt.LATEST, abstract(params), abstract(opt_state), *shardings)
         if how != "interrupted while written":
             with pytest.raises(ckpt.IncompleteCheckpointError, match="step 20"):
@@ -322,11 +322,11 @@ def test_latest_skips_a_damaged_newest_step(tmp_path, capsys, how):
 
 def test_latest_step_sees_missing_items_without_reading_arrays(tmp_path):
     params, opt_state = trained_state(steps=0)
-    with ckpt.Checkpointer(str(tmp_path)) as saver:
+    with ckpt.RunCheckpoints(str(tmp_path)) as saver:
         saver.save(1, params, opt_state, None, training_meta())
         saver.save(2, params, opt_state, None, training_meta())
     _damage(os.path.join(tmp_path, "2"), "optimizer state deleted")
-    with ckpt.Checkpointer(str(tmp_path)) as loader:
+    with ckpt.RunCheckpoints(str(tmp_path)) as loader:
         assert loader.all_steps() == [1, 2]
         assert loader.latest_step() == 1
         with pytest.raises(ckpt.IncompleteCheckpointError, match="opt_state is missing"):
@@ -335,12 +335,12 @@ def test_latest_step_sees_missing_items_without_reading_arrays(tmp_path):
 
 def test_no_complete_checkpoint_is_an_error(tmp_path):
     params, opt_state = trained_state(steps=0)
-    with ckpt.Checkpointer(str(tmp_path)) as saver:
+    with ckpt.RunCheckpoints(str(tmp_path)) as saver:
         with pytest.raises(ckpt.NoCheckpointError, match="nothing to resume"):
             saver.restore(ckpt.LATEST, abstract(params), None, replicated(abstract(params), make_mesh(1)))
         saver.save(1, params, opt_state, None, training_meta())
     _damage(os.path.join(tmp_path, "1"), "metadata truncated")
-    with ckpt.Checkpointer(str(tmp_path)) as loader:
+    with ckpt.RunCheckpoints(str(tmp_path)) as loader:
         with pytest.raises(ckpt.NoCheckpointError, match="every step \\(\\[1\\]\\) is damaged"):
             loader.restore(ckpt.LATEST, abstract(params), None, replicated(abstract(params), make_mesh(1)))
         with pytest.raises(ckpt.NoCheckpointError, match="steps there: \\[1\\]"):
@@ -351,7 +351,7 @@ def test_no_complete_checkpoint_is_an_error(tmp_path):
 
 def test_model_config_mismatch_is_refused_with_the_differences(tmp_path):
     params, opt_state = trained_state(steps=0)
-    with ckpt.Checkpointer(str(tmp_path)) as saver:
+    with ckpt.RunCheckpoints(str(tmp_path)) as saver:
         saver.save(1, params, opt_state, None, training_meta())
         shardings = replicated(abstract(params), make_mesh(1)), replicated(abstract(opt_state), make_mesh(1))
         other = GPTConfig(**{**training_meta()["model_config"], "n_layer": 3, "window_pattern": "L"})
@@ -368,7 +368,7 @@ def test_tokenizer_mismatch_is_refused(tmp_path):
     trained_with = byte_tokenizer(extra_merges=35)  # 256 + 35 + 9 special tokens = 300 = CONFIG.vocab_size
     assert trained_with.get_vocab_size() == CONFIG.vocab_size
     params, opt_state = trained_state(steps=0)
-    with ckpt.Checkpointer(str(tmp_path)) as saver:
+    with ckpt.RunCheckpoints(str(tmp_path)) as saver:
         saver.save(1, params, opt_state, None, training_meta(trained_with))
         shardings = replicated(abstract(params), make_mesh(1)), replicated(abstract(opt_state), make_mesh(1))
         targets = (abstract(params), abstract(opt_state), *shardings)
@@ -381,7 +381,7 @@ def test_tokenizer_mismatch_is_refused(tmp_path):
 
 def test_optimizer_structure_mismatch_is_refused(tmp_path):
     params, opt_state = trained_state(steps=0)
-    with ckpt.Checkpointer(str(tmp_path)) as saver:
+    with ckpt.RunCheckpoints(str(tmp_path)) as saver:
         saver.save(1, params, opt_state, None, training_meta())
         other_opt = optax.adam(1e-3).init(params)
         mesh = make_mesh(1)
@@ -392,7 +392,7 @@ def test_optimizer_structure_mismatch_is_refused(tmp_path):
 
 def test_weights_only_step_restores_params_but_cannot_resume(tmp_path):
     params, _ = trained_state()
-    with ckpt.Checkpointer(str(tmp_path)) as saver:
+    with ckpt.RunCheckpoints(str(tmp_path)) as saver:
         saver.save(4, params, None, None, {"model_config": training_meta()["model_config"], "imported_from": "x.safetensors"})
         mesh = make_mesh(1)
         got, opt, meta = saver.restore(4, abstract(params), None, replicated(abstract(params), mesh))
@@ -407,7 +407,7 @@ def test_weights_only_step_restores_params_but_cannot_resume(tmp_path):
 def test_data_state_of_another_process_count_is_refused(tmp_path):
     params, opt_state = trained_state(steps=0)
     loader = data_iterator()
-    with ckpt.Checkpointer(str(tmp_path)) as saver:
+    with ckpt.RunCheckpoints(str(tmp_path)) as saver:
         saver.save(1, params, opt_state, loader, training_meta())
     loader.close()
     data_dir = os.path.join(tmp_path, "1", "data")
@@ -416,7 +416,7 @@ def test_data_state_of_another_process_count_is_refused(tmp_path):
     os.rename(os.path.join(data_dir, name), os.path.join(data_dir, "process_0-of-2.json"))
     fresh = data_iterator()
     mesh = make_mesh(1)
-    with ckpt.Checkpointer(str(tmp_path)) as loader_ckpt:
+    with ckpt.RunCheckpoints(str(tmp_path)) as loader_ckpt:
         with pytest.raises(ckpt.CheckpointMismatchError, match="saved by 2 process\\(es\\), this run has 1"):
             loader_ckpt.restore(1, abstract(params), abstract(opt_state), replicated(abstract(params), mesh),
                                 replicated(abstract(opt_state), mesh), data_iter=fresh)
@@ -427,13 +427,13 @@ def test_data_state_of_another_process_count_is_refused(tmp_path):
 
 def test_max_to_keep_and_replacing_newer_steps(tmp_path, capsys):
     params, opt_state = trained_state(steps=0)
-    with ckpt.Checkpointer(str(tmp_path), max_to_keep=2) as saver:
+    with ckpt.RunCheckpoints(str(tmp_path), max_to_keep=2) as saver:
         for step in (1, 2, 3, 4):
             saver.save(step, params, opt_state, None, training_meta(val_bpb=float(step)))
         saver.wait()
         assert saver.all_steps() == [3, 4]
     # a run resumed from step 3 reaches step 4 again: its step 4 replaces the old one
-    with ckpt.Checkpointer(str(tmp_path), max_to_keep=2) as saver:
+    with ckpt.RunCheckpoints(str(tmp_path), max_to_keep=2) as saver:
         saver.save(4, params, opt_state, None, training_meta(val_bpb=0.5))
         saver.wait()
         assert saver.all_steps() == [3, 4]
@@ -479,7 +479,7 @@ def test_load_model_from_metadata_alone(tmp_path, capsys):
     model = GPT(CONFIG, rngs=nnx.Rngs(5))
     params, opt_state = nnx.state(model, nnx.Param), trained_state(steps=0)[1]
     directory = ckpt.checkpoint_dir(None, CONFIG.n_layer, str(tmp_path))
-    with ckpt.Checkpointer(directory) as saver:
+    with ckpt.RunCheckpoints(directory) as saver:
         saver.save(8, params, opt_state, None, training_meta(byte_tokenizer(extra_merges=35)))
     os.makedirs(os.path.join(tmp_path, "base_checkpoints", "d1"))  # a shallower run: not the default
 
@@ -517,7 +517,7 @@ def test_find_model_tag(tmp_path):
 def test_meta_file_is_plain_json(tmp_path):
     """Other tools (and people) read the metadata: one JSON file per step."""
     params, opt_state = trained_state(steps=0)
-    with ckpt.Checkpointer(str(tmp_path)) as saver:
+    with ckpt.RunCheckpoints(str(tmp_path)) as saver:
         saver.save(2, params, opt_state, None, training_meta())
     with open(os.path.join(tmp_path, "2", "meta", "metadata")) as f:
         meta = json.load(f)
@@ -589,7 +589,7 @@ def saved_arrays(step_dir: str, item: str) -> dict[str, np.ndarray]:
     path = epath.Path(step_dir) / item
     structure = ocp.PyTreeCheckpointHandler().metadata(path).tree
     restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), structure)
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+    with ocp.RunCheckpoints(ocp.PyTreeCheckpointHandler()) as reader:
         tree = reader.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
     return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 

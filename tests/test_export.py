@@ -153,7 +153,7 @@ def save_checkpoint(base_dir, model: GPT, tokenizer: Tokenizer, step: int = STEP
     meta = {"val_bpb": 1.5, "model_config": dataclasses.asdict(model.config), "user_config": {"depth": 2},
             "device_batch_size": 4, "max_seq_len": model.config.sequence_len, "tokenizer": ckpt.tokenizer_info(tokenizer),
             "loop_state": {"min_val_bpb": 1.5, "smooth_train_loss": 3.0, "total_training_time": 9.0}}
-    with ckpt.Checkpointer(os.path.join(base_dir, "base_checkpoints", tag), async_save=False) as saver:
+    with ckpt.RunCheckpoints(os.path.join(base_dir, "base_checkpoints", tag), async_save=False) as saver:
         # the optimizer state's content is irrelevant here: any pytree of arrays makes a training checkpoint
         saver.save(step, nnx.state(model, nnx.Param), {"count": jnp.zeros((), jnp.int32)}, None, meta)
 
