@@ -589,7 +589,7 @@ def saved_arrays(step_dir: str, item: str) -> dict[str, np.ndarray]:
     path = epath.Path(step_dir) / item
     structure = ocp.PyTreeCheckpointHandler().metadata(path).tree
     restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), structure)
-    with ocp.RunCheckpoints(ocp.PyTreeCheckpointHandler()) as reader:
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
         tree = reader.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
     return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
