@@ -43,7 +43,7 @@ if [ "$DEVICE_BATCH" -lt 1 ] || [ $((DEVICE_BATCH * 2048 * GPUS)) -ne 524288 ]; 
 fi
 echo "$SLURM_JOB_NUM_NODES nodes x ${SLURM_GPUS_ON_NODE:-8} GPUs: $DEVICE_BATCH rows of 2048 per GPU"
 
-[ -f "$JAXCHAT_BASE_DIR/report/header.md" ] || "$PYTHON" -m jaxchat.report reset
+[ -f "$JAXCHAT_BASE_DIR/report/system.json" ] || "$PYTHON" -m jaxchat.report reset
 
 # one task per node; --kill-on-bad-exit stops every process if one of them dies, instead of a hang
 TRAIN_LOG="$JAXCHAT_BASE_DIR/train-$SLURM_JOB_ID.log"
