@@ -73,8 +73,9 @@ def download_eval_bundle(base_dir: str | None = None, url: str | None = None) ->
                 fetch(url, zip_path, label="eval bundle")
             except DownloadError as e:
                 raise RuntimeError(
-                    f"{e}. Without internet access, fetch that file on another machine and unzip it into "
-                    f"{base_dir}, so that {bundle_dir}/core.yaml exists.") from e
+                    f"could not download the CORE eval bundle from {url} ({e.__cause__}). Without internet access, "
+                    f"fetch that file on another machine and unzip it into {base_dir}, so that "
+                    f"{bundle_dir}/core.yaml exists.") from e
             with zipfile.ZipFile(zip_path) as archive:
                 archive.extractall(tmp)
             if not _bundle_complete(os.path.join(tmp, "eval_bundle")):

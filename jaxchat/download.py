@@ -28,7 +28,10 @@ class DownloadError(RuntimeError):
 
 
 def _is_permanent(error: Exception) -> bool:
-    """A missing file stays missing; retrying only makes sense for server trouble and network errors."""
+    """A missing file stays missing, and nothing listens where the connection was refused (a wrong mirror,
+    or no network); retrying only makes sense for server trouble and network errors."""
+    if isinstance(error, urllib.error.URLError) and isinstance(error.reason, ConnectionRefusedError):
+        return True
     return isinstance(error, urllib.error.HTTPError) and 400 <= error.code < 500 and error.code not in (408, 429)
 
 
@@ -53,7 +56,8 @@ def fetch(url: str, path: str, *, check: Callable[[str], object] = lambda path: 
     """Download url to path. Each attempt writes a temporary file next to path, which check(tmp path) may
     reject (raising ValueError or OSError) and which is renamed to path only once it passed, so a failure
     never leaves a partial file behind. Server errors, network errors and rejected files are retried after
-    backoff_s * 2^k seconds; a 4xx (but 408/429) is not. DownloadError when every attempt failed.
+    backoff_s * 2^k seconds; a 4xx (but 408/429) or a refused connection is not. DownloadError (from the
+    last attempt's error) when every attempt failed.
     Progress: on_bytes(chunk size) for a caller that shows many files at once; without it, a status line
     for this file. Retries are announced through log (default: that status line's Progress)."""
     label = label or os.path.basename(path)
@@ -95,7 +99,7 @@ def fetch(url: str, path: str, *, check: Callable[[str], object] = lambda path: 
         time.sleep(wait_s)
     if progress:
         progress.close(f"{label}: failed")
-    raise DownloadError(f"could not download {url} after {attempt} attempt(s): {error}")
+    raise DownloadError(f"could not download {url} after {attempt} attempt(s): {error}") from error
 
 
 # -----------------------------------------------------------------------------------------------

@@ -378,14 +378,15 @@ def test_download_unpacks_once_even_with_concurrent_callers(tmp_path, bundle_dir
 
 def test_download_offline_says_what_to_do(tmp_path, monkeypatch):
     sleeps = []
-    monkeypatch.setattr(download.time, "sleep", sleeps.append)  # the retries' back-off, without the wait
+    monkeypatch.setattr(download.time, "sleep", sleeps.append)  # were it retried: the back-off, without the wait
     server, _ = serve_directory(str(tmp_path))
     port = server.server_address[1]
     server.shutdown()
     server.server_close()  # nothing listens on the port now
-    with pytest.raises(RuntimeError, match="unzip it into .*base, so that .*base/eval_bundle/core.yaml exists"):
+    with pytest.raises(RuntimeError, match="could not download the CORE eval bundle from .*refused.*unzip it into "
+                                           ".*base, so that .*base/eval_bundle/core.yaml exists"):
         download_eval_bundle(str(tmp_path / "base"), f"http://127.0.0.1:{port}/eval_bundle.zip")
-    assert sleeps == [2.0, 4.0, 8.0, 16.0]  # a network error is retried, as for the shards
+    assert sleeps == []  # nothing listens there: a refused connection is not retried
     assert not os.path.exists(tmp_path / "base" / "eval_bundle")
 
 

@@ -6,6 +6,7 @@ import http.server
 import io
 import json
 import os
+import socket
 import threading
 
 import pyarrow as pa
@@ -195,6 +196,16 @@ def test_a_missing_file_is_not_retried(server, tmp_path):
     with pytest.raises(DownloadError, match="404"):
         download_shard(7, str(tmp_path), server.url, log=lambda s: None, **FAST)
     assert server.requests[shard_filename(7)] == 1
+
+
+def test_a_refused_connection_is_not_retried(tmp_path, monkeypatch):
+    monkeypatch.setattr(download.time, "sleep", lambda s: None)
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(DownloadError, match="after 1 attempt.*refused"):
+        download_shard(0, str(tmp_path), f"http://127.0.0.1:{port}", log=lambda s: None, **FAST)
+    assert os.listdir(tmp_path) == []
 
 
 def test_complete_files_are_skipped_and_broken_ones_fetched_again(server, tmp_path, capsys):
