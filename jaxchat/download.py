@@ -78,6 +78,7 @@ def fetch(url: str, path: str, *, check: Callable[[str], object] = lambda path: 
 
     directory = os.path.dirname(path) or "."
     for attempt in range(1, max_attempts + 1):
+        done = 0  # this attempt's bytes: a retry starts the file again
         fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + ".", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
