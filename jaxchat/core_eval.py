@@ -20,8 +20,6 @@ import os
 import random
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import zipfile
 from collections import deque
 from dataclasses import dataclass
@@ -36,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jinja2 import Template
 
 from jaxchat.common import Progress, eta_text, get_base_dir, print0
+from jaxchat.download import DownloadError, fetch
 from jaxchat.gpt import ROTARY_LENGTH_FACTOR
 from jaxchat.mesh import params_mesh
 
@@ -70,7 +69,13 @@ def download_eval_bundle(base_dir: str | None = None, url: str | None = None) ->
         with tempfile.TemporaryDirectory(dir=base_dir, prefix="eval_bundle.tmp") as tmp:
             zip_path = os.path.join(tmp, "eval_bundle.zip")
             print0(f"Downloading the CORE eval bundle from {url} to {bundle_dir}")
-            _fetch(url, zip_path, bundle_dir)
+            try:
+                fetch(url, zip_path, label="eval bundle")
+            except DownloadError as e:
+                raise RuntimeError(
+                    f"could not download the CORE eval bundle from {url} ({e.__cause__}). Without internet access, "
+                    f"fetch that file on another machine and unzip it into {base_dir}, so that "
+                    f"{bundle_dir}/core.yaml exists.") from e
             with zipfile.ZipFile(zip_path) as archive:
                 archive.extractall(tmp)
             if not _bundle_complete(os.path.join(tmp, "eval_bundle")):
@@ -81,26 +86,6 @@ def download_eval_bundle(base_dir: str | None = None, url: str | None = None) ->
 
 def _bundle_complete(bundle_dir: str) -> bool:
     return os.path.exists(os.path.join(bundle_dir, "core.yaml"))
-
-
-def _fetch(url: str, path: str, bundle_dir: str) -> None:
-    progress, start, done = Progress(), time.monotonic(), 0
-    try:
-        with urllib.request.urlopen(url, timeout=60) as response, open(path, "wb") as f:
-            total = int(response.headers.get("Content-Length") or 0)
-            while chunk := response.read(1 << 20):
-                f.write(chunk)
-                done += len(chunk)
-                elapsed = time.monotonic() - start
-                of_total = f" of {total / 1e6:,.0f}" if total else ""
-                progress.status(f"eval bundle: {done / 1e6:,.1f}{of_total} MB at {done / 1e6 / max(elapsed, 1e-9):,.1f} MB/s"
-                                + (f" | {eta_text(done, total, elapsed)}" if total else ""))
-        progress.close(f"eval bundle: {done / 1e6:,.1f} MB downloaded in {time.monotonic() - start:.1f}s")
-    except (urllib.error.URLError, OSError) as e:
-        raise RuntimeError(
-            f"could not download the CORE eval bundle from {url} ({e}). Without internet access, fetch that "
-            f"file on another machine and unzip it into {os.path.dirname(bundle_dir)}, so that {bundle_dir}/core.yaml exists."
-        ) from e
 
 
 @dataclass

@@ -1,9 +1,10 @@
 """The report card of a run, under <base_dir>/report/.
 
-Each stage writes its own markdown section (`get_report().log(section, data)`); training also appends
-its loss and validation bpb to training_curve.csv as it goes, so a resumed run continues the curve.
+Each stage writes its own section (`get_report().log(section, data)`): <slug>.md to read and <slug>.json
+with the same data, from which the summary is built. Training also appends its loss and validation bpb to
+training_curve.csv as it goes, so a resumed run continues the curve.
 
-    python -m jaxchat.report reset       start a new report: clear the sections, write the system section
+    python -m jaxchat.report reset       start a new report: clear the sections, log the system section
     python -m jaxchat.report generate    assemble report.md: summary table, curve (PNG), system, stages
 """
 
@@ -11,6 +12,7 @@ import argparse
 import csv
 import datetime
 import importlib.metadata
+import json
 import os
 import platform
 import re
@@ -21,16 +23,21 @@ from typing import Any
 
 from jaxchat.common import get_base_dir
 
+
+def slugify(section: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", section.lower()).strip("-")
+
+
 TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
-HEADER_FILE = "header.md"
 REPORT_FILE = "report.md"
 CURVE_CSV = "training_curve.csv"
 CURVE_PNG = "training_curve.png"
 CURVE_FIELDS = ("step", "train_loss", "val_bpb")
+SYSTEM_SECTION = "System"  # logged by `reset`: its timestamp starts the wall clock
 # The stages in the order a run goes through them; sections with other names follow, oldest first.
-STAGE_ORDER = ["tokenizer-training", "tokenizer-evaluation", "base-model-training", "base-model-loss",
-               "base-model-evaluation"]
-# (label in the summary, section, key in that section): the figures that say how the run went.
+STAGE_ORDER = [slugify(SYSTEM_SECTION), "tokenizer-training", "tokenizer-evaluation", "base-model-training",
+               "base-model-loss", "base-model-evaluation"]
+# (label in the summary, section, key in that section's data): the figures that say how the run went.
 SUMMARY_FIGURES = [
     ("Vocabulary size", "tokenizer-training", "Vocabulary size"),
     ("Tokenizer bytes/token (val)", "tokenizer-evaluation", "val bytes/token"),
@@ -50,10 +57,6 @@ SUMMARY_FIGURES = [
 ]
 
 
-def slugify(section: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", section.lower()).strip("-")
-
-
 def _format_value(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.6g}"
@@ -70,11 +73,9 @@ def _render_item(key: str, value: Any) -> list[str]:
     return [f"- {key}:", "  ```", *(f"  {line}" for line in text.split("\n")), "  ```"]
 
 
-def find_value(section: str, key: str) -> str | None:
-    """The value of a `- key: value` line of a section as Report.log writes it (keys and values may
-    hold colons themselves, so the key is matched whole)."""
-    match = re.search(rf"^- {re.escape(key)}: (.+)$", section, re.M)
-    return match.group(1).strip() if match else None
+def _plain(value: Any) -> Any:
+    """A NumPy or JAX scalar as the Python number it holds, so the markdown and the JSON show the same."""
+    return value.item() if getattr(value, "shape", None) == () else value
 
 
 # -----------------------------------------------------------------------------
@@ -152,9 +153,15 @@ class Report:
         return os.path.join(self.report_dir, name)
 
     def log(self, section: str, data: list[dict | str]) -> str:
-        """Write one section: a list of dicts (rendered as `- key: value` lines) and markdown strings.
-        A stage that runs again replaces its section."""
-        lines = [f"## {section}", f"timestamp: {datetime.datetime.now():{TIME_FORMAT}}", ""]
+        """Write one section: a list of dicts (rendered as `- key: value` lines) and markdown strings, as
+        <slug>.md and as the record {section, timestamp, data} in <slug>.json (values that JSON cannot hold
+        as strings). A stage that runs again replaces its section."""
+        data = [{key: _plain(value) for key, value in item.items()} if isinstance(item, dict) else item
+                for item in data]
+        timestamp = f"{datetime.datetime.now():{TIME_FORMAT}}"
+        with open(self.path(f"{slugify(section)}.json"), "w", encoding="utf-8") as f:
+            json.dump({"section": section, "timestamp": timestamp, "data": data}, f, indent=1, default=str)
+        lines = [f"## {section}", f"timestamp: {timestamp}", ""]
         for item in data:
             if isinstance(item, dict):
                 for key, value in item.items():
@@ -230,36 +237,35 @@ class Report:
 
     def sections(self) -> list[str]:
         """The stage sections, in run order: known stages first, then any others oldest first."""
-        names = [n for n in os.listdir(self.report_dir) if n.endswith(".md") and n not in (HEADER_FILE, REPORT_FILE)]
+        names = [n for n in os.listdir(self.report_dir) if n.endswith(".md") and n != REPORT_FILE]
         order = {f"{slug}.md": i for i, slug in enumerate(STAGE_ORDER)}
         names.sort(key=lambda n: (order.get(n, len(order)), os.path.getmtime(self.path(n))))
         return [self.path(n) for n in names]
 
+    def records(self) -> dict[str, dict]:
+        """Each section's record as log wrote it ({section, timestamp, data}), by slug."""
+        records = {}
+        for name in os.listdir(self.report_dir):
+            if name.endswith(".json"):
+                with open(self.path(name), encoding="utf-8") as f:
+                    records[name[:-len(".json")]] = json.load(f)
+        return records
+
     def summary(self) -> list[tuple[str, str]]:
-        """(figure, value) pairs from the sections present, in SUMMARY_FIGURES order."""
-        texts = {}
-        for path in self.sections():
-            with open(path, encoding="utf-8") as f:
-                texts[os.path.basename(path)[:-3]] = f.read()
-        values = [(label, find_value(texts.get(slug, ""), key)) for label, slug, key in SUMMARY_FIGURES]
-        rows = [(label, value) for label, value in values if value not in (None, "None", "n/a")]
-        wall = self.wall_clock()
-        if wall:
-            rows.append(("Wall clock, reset to last stage", wall))
+        """(figure, value) pairs from the sections' records, in SUMMARY_FIGURES order; figures a stage did
+        not measure (None, "n/a") are left out. Last, the wall clock from `reset` to the newest section."""
+        records = self.records()
+        rows = []
+        for label, slug, key in SUMMARY_FIGURES:
+            items = [item for item in records.get(slug, {}).get("data", []) if isinstance(item, dict)]
+            value = next((item[key] for item in items if key in item), None)
+            if value not in (None, "n/a"):
+                rows.append((label, _format_value(value)))
+        stamps = {slug: datetime.datetime.strptime(r["timestamp"], TIME_FORMAT) for slug, r in records.items()}
+        start = stamps.pop(slugify(SYSTEM_SECTION), None)
+        if start and stamps:
+            rows.append(("Wall clock, reset to last stage", str(max(stamps.values()) - start)))
         return rows
-
-    def wall_clock(self) -> str | None:
-        """Time from `reset` to the newest section, as h:mm:ss (None without a reset)."""
-        def stamp(path: str, prefix: str) -> datetime.datetime | None:
-            with open(path, encoding="utf-8") as f:
-                m = re.search(rf"^{prefix}: (.+)$", f.read(), re.M)
-            return datetime.datetime.strptime(m.group(1).strip(), TIME_FORMAT) if m else None
-
-        if not os.path.exists(self.path(HEADER_FILE)):
-            return None
-        start = stamp(self.path(HEADER_FILE), "Run started")
-        ends = [t for t in (stamp(path, "timestamp") for path in self.sections()) if t]
-        return str(max(ends) - start) if start and ends else None
 
     def generate(self) -> str:
         """Write report.md: summary table and curve first, then the system section and each stage's."""
@@ -272,10 +278,7 @@ class Report:
         if self.plot_curve():
             parts += ["", f"![training loss and validation bpb]({CURVE_PNG})"]
         parts.append("")
-        if os.path.exists(self.path(HEADER_FILE)):
-            with open(self.path(HEADER_FILE), encoding="utf-8") as f:
-                parts.append(f.read())
-        else:
+        if not os.path.exists(self.path(f"{slugify(SYSTEM_SECTION)}.md")):
             parts += ["## System", "(no `python -m jaxchat.report reset` before this run: taken now)", "",
                       *(f"- {key}: {value}" for key, value in system_info().items()), ""]
         for path in self.sections():
@@ -286,14 +289,12 @@ class Report:
         return self.path(REPORT_FILE)
 
     def reset(self) -> None:
-        """Start a new report: remove every section, the curve and report.md, and write the system section."""
+        """Start a new report: remove every section, the curve and report.md, and log the system section
+        (its timestamp starts the wall clock)."""
         for name in os.listdir(self.report_dir):
-            if name.endswith(".md") or name in (CURVE_CSV, CURVE_PNG):
+            if name.endswith((".md", ".json")) or name in (CURVE_CSV, CURVE_PNG):
                 os.remove(self.path(name))
-        lines = ["## System", f"Run started: {datetime.datetime.now():{TIME_FORMAT}}", ""]
-        lines += [f"- {key}: {value}" for key, value in system_info().items()]
-        with open(self.path(HEADER_FILE), "w", encoding="utf-8") as f:
-            f.write("\n".join(lines) + "\n")
+        self.log(SYSTEM_SECTION, [system_info()])
 
 
 def get_report(base_dir: str | None = None) -> Report:

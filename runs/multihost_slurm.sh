@@ -43,19 +43,22 @@ if [ "$DEVICE_BATCH" -lt 1 ] || [ $((DEVICE_BATCH * 2048 * GPUS)) -ne 524288 ]; 
 fi
 echo "$SLURM_JOB_NUM_NODES nodes x ${SLURM_GPUS_ON_NODE:-8} GPUs: $DEVICE_BATCH rows of 2048 per GPU"
 
-[ -f "$JAXCHAT_BASE_DIR/report/header.md" ] || "$PYTHON" -m jaxchat.report reset
+[ -f "$JAXCHAT_BASE_DIR/report/system.json" ] || "$PYTHON" -m jaxchat.report reset
 
-# one task per node; --kill-on-bad-exit stops every process if one of them dies, instead of a hang
-TRAIN_LOG="$JAXCHAT_BASE_DIR/train-$SLURM_JOB_ID.log"
-srun --ntasks-per-node=1 --kill-on-bad-exit=1 "$PYTHON" -m scripts.train --depth=20 \
+# one task per node. Training exits 75 when a signal stopped it with its checkpoint saved (scripts/train.py's
+# EXIT_STOPPED), so a non-zero exit is not always a failure: rather than --kill-on-bad-exit (its SIGKILL of
+# the other tasks would make srun report 137, not 75), --wait ends the others a minute after the first task
+# exits, so a process that dies does not leave the rest hanging.
+status=0
+srun --ntasks-per-node=1 --wait=60 "$PYTHON" -m scripts.train --depth=20 \
     --device-batch-size="$DEVICE_BATCH" --save-every=500 --keep-checkpoints=2 --resume-from-step=latest \
-    --run="$WANDB_RUN" 2>&1 | tee -a "$TRAIN_LOG"
+    --run="$WANDB_RUN" || status=$?
 # stopped by SIGTERM (time limit): the checkpoint is saved; queue the job again rather than evaluate a half run
-if grep -q "^Stopped by signal" "$TRAIN_LOG"; then
-    rm -f "$TRAIN_LOG"
+if [ "$status" -eq 75 ]; then
     scontrol requeue "$SLURM_JOB_ID" || true  # (on preemption SLURM requeues it already)
     exit 0
 fi
+[ "$status" -eq 0 ] || exit "$status"
 
 # evaluation runs on every node too (the batches span all devices); the report on this one
 srun --ntasks-per-node=1 --kill-on-bad-exit=1 "$PYTHON" -m scripts.base_loss --device-batch-size="$DEVICE_BATCH"

@@ -684,14 +684,14 @@ def main_decode(args: argparse.Namespace) -> list[dict]:
 
 
 def main_loader(args: argparse.Namespace) -> list[dict]:
-    from jaxchat import dataset
+    from jaxchat import dataset, local_corpus
     from jaxchat.tokenizer import Tokenizer, get_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.builtin:
-            documents = dataset.builtin_documents()
-            paths = dataset.write_shards(lambda: documents, tmp, chars_per_shard=250_000, docs_per_row_group=16,
-                                         source="builtin")
+            documents = local_corpus.builtin_documents()
+            paths = local_corpus.write_shards(lambda: documents, tmp, chars_per_shard=250_000,
+                                              docs_per_row_group=16, source="builtin")
             train_texts = (text for path, row_group in dataset.list_row_groups("train", tmp)
                            for text in dataset.read_row_group(path, row_group))
             start = time.perf_counter()

@@ -12,6 +12,7 @@ JAX_PROCESS_ID set (or under SLURM's srun); each process feeds the devices it ow
 import argparse
 import dataclasses
 import signal
+import sys
 import time
 
 from jaxchat.checkpoint import LATEST, parse_resume_step
@@ -96,6 +97,9 @@ class LoopState:
 
 
 EMA_BETA = 0.9  # smoothing of the printed training loss
+# Exit status of a run stopped by SIGTERM/SIGINT after saving its checkpoint (EX_TEMPFAIL of sysexits.h):
+# the run is not finished; the same command with --resume-from-step=latest carries it on. 0: finished.
+EXIT_STOPPED = 75
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -113,12 +117,15 @@ def main(argv: list[str] | None = None) -> None:
     from jaxchat.run import SettingsError
 
     try:
-        train(args, gpu_defaults_set)
+        stopped = train(args, gpu_defaults_set)
     except (SettingsError, CheckpointError) as e:  # the library's messages say what to do
         fail(str(e))
+    if stopped:
+        sys.exit(EXIT_STOPPED)
 
 
-def train(args: argparse.Namespace, gpu_defaults_set: list[str] | None = None) -> None:
+def train(args: argparse.Namespace, gpu_defaults_set: list[str] | None = None) -> bool:
+    """The run; True when a signal stopped it before its last step (its checkpoint saved)."""
     import jax
     import numpy as np
     import wandb
@@ -349,6 +356,7 @@ def train(args: argparse.Namespace, gpu_defaults_set: list[str] | None = None) -
             },
         ])
     wandb_run.finish()
+    return bool(stop_signal) and loop.step < num_iterations
 
 
 class StepLogger:

@@ -22,9 +22,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="session")
 def builtin_docs() -> list[str]:
     """The built-in corpus (the docstrings of Python's standard library), parsed once per session."""
-    from jaxchat import dataset
+    from jaxchat import local_corpus
 
-    return dataset.builtin_documents()
+    return local_corpus.builtin_documents()
 
 
 @pytest.fixture(scope="session")
@@ -34,12 +34,12 @@ def make_base_dir(builtin_docs):
     num_docs built-in documents (rows groups of 8) and a 512-token tokenizer trained on them."""
 
     def make(path, num_docs: int = 300, chars_per_shard: int = 150_000):
-        from jaxchat import dataset
+        from jaxchat import local_corpus
         from jaxchat.tokenizer import Tokenizer
 
         documents = builtin_docs[:num_docs]
-        dataset.write_shards(lambda: documents, str(path / "base_data"), chars_per_shard=chars_per_shard,
-                             docs_per_row_group=8)
+        local_corpus.write_shards(lambda: documents, str(path / "base_data"), chars_per_shard=chars_per_shard,
+                                  docs_per_row_group=8)
         Tokenizer.train_from_iterator(iter(documents), vocab_size=512).save(str(path / "tokenizer"))
         return path
 

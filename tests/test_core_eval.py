@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxchat import core_eval
+from jaxchat import core_eval, download
 from jaxchat.core_eval import (
     download_eval_bundle,
     evaluate_core,
@@ -376,13 +376,17 @@ def test_download_unpacks_once_even_with_concurrent_callers(tmp_path, bundle_dir
         server.shutdown()
 
 
-def test_download_offline_says_what_to_do(tmp_path):
+def test_download_offline_says_what_to_do(tmp_path, monkeypatch):
+    sleeps = []
+    monkeypatch.setattr(download.time, "sleep", sleeps.append)  # were it retried: the back-off, without the wait
     server, _ = serve_directory(str(tmp_path))
     port = server.server_address[1]
     server.shutdown()
     server.server_close()  # nothing listens on the port now
-    with pytest.raises(RuntimeError, match="unzip it into .*base, so that .*base/eval_bundle/core.yaml exists"):
+    with pytest.raises(RuntimeError, match="could not download the CORE eval bundle from .*refused.*unzip it into "
+                                           ".*base, so that .*base/eval_bundle/core.yaml exists"):
         download_eval_bundle(str(tmp_path / "base"), f"http://127.0.0.1:{port}/eval_bundle.zip")
+    assert sleeps == []  # nothing listens there: a refused connection is not retried
     assert not os.path.exists(tmp_path / "base" / "eval_bundle")
 
 

@@ -1,4 +1,6 @@
-"""The loader against a plain-Python best-fit packer written from SPEC §7 and nanochat's rule, on
+"""The loader against a plain-Python best-fit packer written from nanochat's rule (nanochat/dataloader.py):
+rows of T+1 tokens that start at a document start, the longest buffered document that fits goes in next,
+and when none fits the shortest is cropped to fill the row (nanochat's later loader; bdcc030 crops the first), on
 synthetic documents of random lengths and on real parquet shards with a real (small) tokenizer;
 exact resume, Orbax round trip, process shards, the validation loader, and the error messages."""
 

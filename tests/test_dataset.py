@@ -6,17 +6,19 @@ import http.server
 import io
 import json
 import os
+import socket
 import threading
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jaxchat import dataset
-from jaxchat.dataset import (CORPUS_INFO_FILE, CorruptShardError, DownloadError, Progress,
-                             download_shard, download_shards, list_parquet_files, list_row_groups,
-                             parquet_paths_for_split, read_row_group, shard_filename, split_into_documents,
-                             write_shards)
+from jaxchat import dataset, download
+from jaxchat.common import Progress
+from jaxchat.dataset import (CORPUS_INFO_FILE, CorruptShardError, list_parquet_files, list_row_groups,
+                             parquet_paths_for_split, read_row_group, shard_filename)
+from jaxchat.download import DownloadError, download_shard, download_shards
+from jaxchat.local_corpus import split_into_documents, write_shards
 
 
 def parquet_bytes(docs: list[str], row_group_size: int = 2) -> bytes:
@@ -184,7 +186,7 @@ def test_a_server_that_always_fails_leaves_no_partial_file(server, tmp_path, fai
 
 def test_backoff_doubles(server, tmp_path, monkeypatch):
     sleeps = []
-    monkeypatch.setattr(dataset.time, "sleep", sleeps.append)
+    monkeypatch.setattr(download.time, "sleep", sleeps.append)
     server.plan[shard_filename(0)] = [502] * 4
     assert download_shard(0, str(tmp_path), server.url, max_attempts=5, backoff_s=2.0, log=lambda s: None)
     assert sleeps == [2.0, 4.0, 8.0, 16.0]
@@ -194,6 +196,16 @@ def test_a_missing_file_is_not_retried(server, tmp_path):
     with pytest.raises(DownloadError, match="404"):
         download_shard(7, str(tmp_path), server.url, log=lambda s: None, **FAST)
     assert server.requests[shard_filename(7)] == 1
+
+
+def test_a_refused_connection_is_not_retried(tmp_path, monkeypatch):
+    monkeypatch.setattr(download.time, "sleep", lambda s: None)
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(DownloadError, match="after 1 attempt.*refused"):
+        download_shard(0, str(tmp_path), f"http://127.0.0.1:{port}", log=lambda s: None, **FAST)
+    assert os.listdir(tmp_path) == []
 
 
 def test_complete_files_are_skipped_and_broken_ones_fetched_again(server, tmp_path, capsys):
@@ -210,7 +222,7 @@ def test_complete_files_are_skipped_and_broken_ones_fetched_again(server, tmp_pa
 
 def test_failures_are_reported_per_file_and_by_the_command(server, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("JAXCHAT_DATA_URL", server.url)  # the command line picks the mirror from the env
-    monkeypatch.setattr(dataset.time, "sleep", lambda s: None)
+    monkeypatch.setattr(download.time, "sleep", lambda s: None)
     server.plan[shard_filename(2)] = [500] * 10
     with pytest.raises(SystemExit, match=rf"1 shard\(s\) failed: {shard_filename(2)}\. Run the same command"):
         dataset.main(["-n", "3", "-w", "2", "--data-dir", str(tmp_path)])

@@ -375,3 +375,12 @@ def test_command_line_prints_its_own_lines_only(exported, tmp_path, capsys, monk
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == (f"error: {checkpoint_dir / 'model_000007.pt'} exists already: remove it, "
                                        "or export into another nanochat base dir\n")
+
+
+def test_a_tag_with_no_checkpoint_is_one_error_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("JAXCHAT_BASE_DIR", str(tmp_path))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model-tag", "none_saved"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (f"error: No checkpoints at {tmp_path / 'base_checkpoints' / 'none_saved'}: "
+                                       "train a model first (python -m scripts.train)\n")

@@ -1,4 +1,5 @@
-"""Bits per byte against a hand computation of SPEC §9 in float64."""
+"""Bits per byte against a hand computation in float64: bpb = sum of the losses (nats) of the targets
+that are >= 0 and have token_bytes > 0, over ln 2 x the bytes of those targets (nanochat/loss_eval.py)."""
 
 import math
 

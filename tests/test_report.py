@@ -3,6 +3,7 @@ curve (CSV that survives a resume, PNG drawn from it), the system section, and t
 (scripts.train writing the curve across a real resume: test_checkpoint.py's end-to-end runs.)"""
 
 import csv
+import json
 import os
 import re
 import subprocess
@@ -32,7 +33,7 @@ def log_stages(r: report.Report) -> None:
     r.log("Base model training", [
         {"depth": 4, "total_batch_size": 4096},
         {"Number of parameters": 7340040, "Devices": "1 x cpu", "Tokens : Params ratio": 0.0669643},
-        {"Minimum validation bpb": 2.04344, "CORE metric estimate": None, "MFU %": "n/a",
+        {"Minimum validation bpb": np.float32(2.04344), "CORE metric estimate": None, "MFU %": "n/a",
          "Total training time": "4.10m", "Average tok/sec": 1998},
     ])
     r.log("Tokenizer training", [{"vocab_size": 8192}, {"Vocabulary size": 8192, "Training time": "1.50s"}])
@@ -44,10 +45,18 @@ def test_sections_and_summary_carry_the_logged_values(tmp_path):
     training = (tmp_path / "base-model-training.md").read_text()
     assert training.startswith("## Base model training\ntimestamp: ")
     assert "- Number of parameters: 7,340,040\n" in training and "- total_batch_size: 4,096\n" in training
+    assert "- Minimum validation bpb: 2.04344\n" in training  # a NumPy scalar, shown as the number it holds
+    # ... and recorded as that number (float32(2.04344) is within half an ulp of 2, 1.2e-7, of it)
+    recorded = json.loads((tmp_path / "base-model-training.json").read_text())["data"][2]["Minimum validation bpb"]
+    assert isinstance(recorded, float) and abs(recorded - 2.04344) < 2e-7
     # a multi-line value becomes a fenced block under its item, not a broken list
     loss = (tmp_path / "base-model-loss.md").read_text()
     assert "- sample 0:\n  ```\n  The capital of France is\n  \n  the city\n  ```" in loss
-    assert report.find_value(loss, "val bpb") == "2.01235" and report.find_value(loss, "sample 0") is None
+    # the same data as a JSON record, from which the summary is built: numbers stay numbers
+    record = json.loads((tmp_path / "base-model-loss.json").read_text())
+    assert record["section"] == "Base model loss" and loss.startswith(f"## Base model loss\ntimestamp: {record['timestamp']}\n")
+    assert record["data"] == [{"Model": "d4 step 120", "train bpb": 1.9876543, "val bpb": 2.0123456,
+                               "sample 0": "The capital of France is\n\nthe city"}]
 
     path = r.generate()
     text = open(path).read()
@@ -99,10 +108,11 @@ def test_reset_writes_the_system_section_and_clears_the_last_run(tmp_path):
     r.append_curve([(0, 9.0, 3.0)])
     r.generate()
     r.reset()
-    assert sorted(os.listdir(tmp_path)) == ["header.md"]
-    header = (tmp_path / "header.md").read_text()
-    fields = dict(re.findall(r"^- ([^:]+): (.+)$", header, re.M))
-    assert re.search(r"^Run started: \d{4}-\d\d-\d\d \d\d:\d\d:\d\d$", header, re.M)
+    assert sorted(os.listdir(tmp_path)) == ["system.json", "system.md"]
+    header = (tmp_path / "system.md").read_text()
+    fields = json.loads((tmp_path / "system.json").read_text())["data"][0]
+    assert dict(re.findall(r"^- ([^:]+): (.+)$", header, re.M)) == fields
+    assert re.search(r"^timestamp: \d{4}-\d\d-\d\d \d\d:\d\d:\d\d$", header, re.M)
     assert f"jax {jax.__version__}" in fields["Packages"]
     assert fields["Devices"] == f"{jax.device_count()} x cpu"  # conftest's 8 virtual CPU devices
     assert fields["JAX backend"] == "cpu, 1 process(es)"
