@@ -121,6 +121,15 @@ def tokenizer_info(tokenizer) -> dict:
     return {"vocab_size": tokenizer.get_vocab_size(), "sha256": digest.hexdigest()}
 
 
+def training_meta(loop_meta: dict, model_config: GPTConfig, settings, tokenizer) -> dict:
+    """A training checkpoint's metadata (every key of TRAINING_META_KEYS): the loop's state (LoopState.to_meta),
+    the model config, the run's settings (a jaxchat.settings.RunSettings: its command line as user_config,
+    its recipe among them) and the tokenizer's identity."""
+    return {**loop_meta, "model_config": dataclasses.asdict(model_config), "user_config": settings.user_config(),
+            "device_batch_size": settings.device_batch_size, "max_seq_len": settings.max_seq_len,
+            "tokenizer": tokenizer_info(tokenizer)}
+
+
 def check_compatible(meta: dict, model_config: GPTConfig | dict | None = None, tokenizer=None,
                      where: str = "the checkpoint") -> None:
     """Raises CheckpointMismatchError, naming every difference and what to do, if the checkpoint's

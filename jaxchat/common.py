@@ -18,27 +18,33 @@ BASE_DIR_ENV = "JAXCHAT_BASE_DIR"
 
 
 def fail(message: str) -> NoReturn:
-    """Bad input: say what to change, no traceback."""
+    """For scripts (library code raises): bad input, say what to change, exit 2, no traceback."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
 
 
+class PlatformError(RuntimeError):
+    """The backend asked for cannot start; the message says what to do."""
+
+
 def select_platform(device_type: str) -> None:
-    """Start the backend the user asked for, or explain why it is not there."""
+    """Start the backend the user asked for, or raise PlatformError saying why it is not there."""
     if device_type not in ("", "cuda", "gpu", "cpu", "tpu"):
         hint = " (JAX has no MPS backend)" if device_type == "mps" else ""
-        fail(f"--device-type {device_type!r} is not supported{hint}: use cuda, cpu, or leave it empty to autodetect")
+        raise PlatformError(f"--device-type {device_type!r} is not supported{hint}: use cuda, cpu, or leave it empty "
+                            "to autodetect")
     if device_type == "cpu":
         jax.config.update("jax_platforms", "cpu")
     try:
         present = jax.default_backend()  # 'gpu', 'tpu' or 'cpu'
     except (RuntimeError, AssertionError) as e:
-        fail(f"no JAX backend could start ({e or type(e).__name__}); check $JAX_PLATFORMS, or use --device-type=cpu")
+        raise PlatformError(f"no JAX backend could start ({e or type(e).__name__}); check $JAX_PLATFORMS, or use "
+                            "--device-type=cpu") from None
     wanted = {"cuda": "gpu", "gpu": "gpu", "tpu": "tpu"}.get(device_type)
     if wanted and present != wanted:
         extra = " Install the GPU build with `pip install -e '.[cuda12]'`." if wanted == "gpu" else ""
-        fail(f"--device-type {device_type} asked for, but no such device is present (JAX sees: {present}).{extra} "
-             "Use --device-type=cpu, or leave it empty to autodetect.")
+        raise PlatformError(f"--device-type {device_type} asked for, but no such device is present (JAX sees: "
+                            f"{present}).{extra} Use --device-type=cpu, or leave it empty to autodetect.")
 
 
 def get_base_dir() -> str:

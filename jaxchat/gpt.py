@@ -53,8 +53,7 @@ class GPTConfig:
             raise ValueError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_head {self.n_head} is not divisible by n_kv_head {self.n_kv_head}")
-        if not self.window_pattern or any(c not in "SL" for c in self.window_pattern.upper()):
-            raise ValueError(f"window_pattern {self.window_pattern!r} must be a non-empty string of S and L")
+        check_window_pattern(self.window_pattern)
 
     @classmethod
     def from_depth(cls, depth: int, vocab_size: int, *, aspect_ratio: int = 64, head_dim: int = 128,
@@ -80,6 +79,12 @@ class GPTConfig:
         windows = [size[pattern[i % len(pattern)]] for i in range(self.n_layer)]
         windows[-1] = self.sequence_len
         return tuple(windows)
+
+
+def check_window_pattern(pattern: str) -> None:
+    """A window pattern is a non-empty string of S (half context) and L (full context)."""
+    if not pattern or any(c not in "SL" for c in pattern.upper()):
+        raise ValueError(f"window pattern {pattern!r} must be made of S (half context) and L (full context)")
 
 
 def width_and_heads(depth: int, aspect_ratio: int, head_dim: int) -> tuple[int, int]:

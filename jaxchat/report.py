@@ -33,27 +33,57 @@ REPORT_FILE = "report.md"
 CURVE_CSV = "training_curve.csv"
 CURVE_PNG = "training_curve.png"
 CURVE_FIELDS = ("step", "train_loss", "val_bpb")
-SYSTEM_SECTION = "System"  # logged by `reset`: its timestamp starts the wall clock
+class Section:
+    """The sections the scripts log, in the order a run goes through them."""
+
+    SYSTEM = "System"  # logged by `reset`: its timestamp starts the wall clock
+    TOKENIZER_TRAINING = "Tokenizer training"
+    TOKENIZER_EVALUATION = "Tokenizer evaluation"
+    BASE_TRAINING = "Base model training"
+    BASE_LOSS = "Base model loss"
+    BASE_EVALUATION = "Base model evaluation"
+
+
+class Label:
+    """The keys of the figures a script logs and the summary reads back: one spelling for both."""
+
+    VOCAB_SIZE = "Vocabulary size"
+    VAL_BYTES_PER_TOKEN = "val bytes/token"
+    PARAMETERS = "Number of parameters"
+    DEVICES = "Devices"
+    TRAINING_TOKENS = "Number of training tokens"
+    TOKENS_PER_PARAM = "Tokens : Params ratio"
+    TRAINING_TIME = "Total training time"
+    TOK_PER_SEC = "Average tok/sec"
+    MFU = "MFU %"
+    PEAK_MEMORY = "Peak memory usage"
+    MIN_VAL_BPB = "Minimum validation bpb"
+    TRAIN_BPB = "train bpb"
+    VAL_BPB = "val bpb"
+    CORE_TRAINING = "CORE metric estimate"
+    CORE = "CORE metric"
+
+
 # The stages in the order a run goes through them; sections with other names follow, oldest first.
-STAGE_ORDER = [slugify(SYSTEM_SECTION), "tokenizer-training", "tokenizer-evaluation", "base-model-training",
-               "base-model-loss", "base-model-evaluation"]
+STAGE_ORDER = [slugify(section) for section in (Section.SYSTEM, Section.TOKENIZER_TRAINING, Section.TOKENIZER_EVALUATION,
+                                                Section.BASE_TRAINING, Section.BASE_LOSS, Section.BASE_EVALUATION)]
 # (label in the summary, section, key in that section's data): the figures that say how the run went.
 SUMMARY_FIGURES = [
-    ("Vocabulary size", "tokenizer-training", "Vocabulary size"),
-    ("Tokenizer bytes/token (val)", "tokenizer-evaluation", "val bytes/token"),
-    ("Parameters", "base-model-training", "Number of parameters"),
-    ("Devices", "base-model-training", "Devices"),
-    ("Training tokens", "base-model-training", "Number of training tokens"),
-    ("Tokens : params", "base-model-training", "Tokens : Params ratio"),
-    ("Training time", "base-model-training", "Total training time"),
-    ("Training tok/s", "base-model-training", "Average tok/sec"),
-    ("MFU", "base-model-training", "MFU %"),
-    ("Peak memory", "base-model-training", "Peak memory usage"),
-    ("Min val bpb (training)", "base-model-training", "Minimum validation bpb"),
-    ("Train bpb", "base-model-loss", "train bpb"),
-    ("Val bpb", "base-model-loss", "val bpb"),
-    ("CORE (training)", "base-model-training", "CORE metric estimate"),
-    ("CORE", "base-model-evaluation", "CORE metric"),
+    ("Vocabulary size", Section.TOKENIZER_TRAINING, Label.VOCAB_SIZE),
+    ("Tokenizer bytes/token (val)", Section.TOKENIZER_EVALUATION, Label.VAL_BYTES_PER_TOKEN),
+    ("Parameters", Section.BASE_TRAINING, Label.PARAMETERS),
+    ("Devices", Section.BASE_TRAINING, Label.DEVICES),
+    ("Training tokens", Section.BASE_TRAINING, Label.TRAINING_TOKENS),
+    ("Tokens : params", Section.BASE_TRAINING, Label.TOKENS_PER_PARAM),
+    ("Training time", Section.BASE_TRAINING, Label.TRAINING_TIME),
+    ("Training tok/s", Section.BASE_TRAINING, Label.TOK_PER_SEC),
+    ("MFU", Section.BASE_TRAINING, Label.MFU),
+    ("Peak memory", Section.BASE_TRAINING, Label.PEAK_MEMORY),
+    ("Min val bpb (training)", Section.BASE_TRAINING, Label.MIN_VAL_BPB),
+    ("Train bpb", Section.BASE_LOSS, Label.TRAIN_BPB),
+    ("Val bpb", Section.BASE_LOSS, Label.VAL_BPB),
+    ("CORE (training)", Section.BASE_TRAINING, Label.CORE_TRAINING),
+    ("CORE", Section.BASE_EVALUATION, Label.CORE),
 ]
 
 
@@ -256,13 +286,13 @@ class Report:
         not measure (None, "n/a") are left out. Last, the wall clock from `reset` to the newest section."""
         records = self.records()
         rows = []
-        for label, slug, key in SUMMARY_FIGURES:
-            items = [item for item in records.get(slug, {}).get("data", []) if isinstance(item, dict)]
+        for label, section, key in SUMMARY_FIGURES:
+            items = [item for item in records.get(slugify(section), {}).get("data", []) if isinstance(item, dict)]
             value = next((item[key] for item in items if key in item), None)
             if value not in (None, "n/a"):
                 rows.append((label, _format_value(value)))
         stamps = {slug: datetime.datetime.strptime(r["timestamp"], TIME_FORMAT) for slug, r in records.items()}
-        start = stamps.pop(slugify(SYSTEM_SECTION), None)
+        start = stamps.pop(slugify(Section.SYSTEM), None)
         if start and stamps:
             rows.append(("Wall clock, reset to last stage", str(max(stamps.values()) - start)))
         return rows
@@ -278,7 +308,7 @@ class Report:
         if self.plot_curve():
             parts += ["", f"![training loss and validation bpb]({CURVE_PNG})"]
         parts.append("")
-        if not os.path.exists(self.path(f"{slugify(SYSTEM_SECTION)}.md")):
+        if not os.path.exists(self.path(f"{slugify(Section.SYSTEM)}.md")):
             parts += ["## System", "(no `python -m jaxchat.report reset` before this run: taken now)", "",
                       *(f"- {key}: {value}" for key, value in system_info().items()), ""]
         for path in self.sections():
@@ -294,7 +324,7 @@ class Report:
         for name in os.listdir(self.report_dir):
             if name.endswith((".md", ".json")) or name in (CURVE_CSV, CURVE_PNG):
                 os.remove(self.path(name))
-        self.log(SYSTEM_SECTION, [system_info()])
+        self.log(Section.SYSTEM, [system_info()])
 
 
 def get_report(base_dir: str | None = None) -> Report:

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from jaxchat.common import get_base_dir, is_master, print0
     from jaxchat.core_eval import evaluate_core
-    from jaxchat.report import get_report
+    from jaxchat.report import Label, Section, get_report
 
     try:
         out = evaluate_core(model, tokenizer, max_per_task=args.max_per_task, tokens_per_device=args.tokens_per_device)
@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> None:
         path = os.path.join(get_base_dir(), "base_eval", f"{model_tag}_{meta['step']:06d}.csv")
         write_results_csv(path, results, centered, core_metric)
         print0(f"Results written to {path}")
-        get_report().log(section="Base model evaluation", data=[
-            {"Model": f"{model_tag} step {meta['step']}", "CORE metric": core_metric}, centered])
+        get_report().log(section=Section.BASE_EVALUATION, data=[
+            {"Model": f"{model_tag} step {meta['step']}", Label.CORE: core_metric}, centered])
 
 
 if __name__ == "__main__":

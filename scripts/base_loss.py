@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     from jaxchat.dataloader import make_train_loader, make_val_loader
     from jaxchat.engine import SAMPLE_PROMPTS, Engine
     from jaxchat.loss_eval import evaluate_bpb
-    from jaxchat.report import get_report
+    from jaxchat.report import Label, Section, get_report
     from jaxchat.tokenizer import get_token_bytes
 
     seq_len = meta["model_config"]["sequence_len"]
@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> None:
         samples.append(tokenizer.decode(sample[0][1:]))
         print0(samples[-1])
     if is_master():
-        get_report().log(section="Base model loss", data=[
-            {"Model": f"{model_tag} step {meta['step']}", "train bpb": bpb["train"], "val bpb": bpb["val"]},
+        get_report().log(section=Section.BASE_LOSS, data=[
+            {"Model": f"{model_tag} step {meta['step']}", Label.TRAIN_BPB: bpb["train"], Label.VAL_BPB: bpb["val"]},
             {f"sample {i}": sample for i, sample in enumerate(samples)}])
 
 

@@ -11,7 +11,7 @@ import socket
 import tiktoken
 
 from jaxchat.dataset import list_row_groups, read_row_group
-from jaxchat.report import get_report
+from jaxchat.report import Label, Section, get_report
 from jaxchat.tokenizer import get_tokenizer
 
 PROSE = """\
@@ -121,9 +121,9 @@ for name, text in texts.items():
 for note in notes:
     print(note)
 
-get_report().log(section="Tokenizer evaluation", data=[
-    {"Vocabulary size": ours.get_vocab_size(), "train bytes/token": f"{bytes_per_token['train', 'ours']:.2f}",
-     "val bytes/token": f"{bytes_per_token['val', 'ours']:.2f}"},
+get_report().log(section=Section.TOKENIZER_EVALUATION, data=[
+    {Label.VOCAB_SIZE: ours.get_vocab_size(), "train bytes/token": f"{bytes_per_token['train', 'ours']:.2f}",
+     Label.VAL_BYTES_PER_TOKEN: f"{bytes_per_token['val', 'ours']:.2f}"},
     "\n".join(table),
     "\n".join(notes),
 ])

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 from jaxchat.common import Progress
 from jaxchat.dataset import list_row_groups, read_row_group
-from jaxchat.report import get_report
+from jaxchat.report import Label, Section, get_report
 from jaxchat.tokenizer import SPECIAL_TOKENS, Tokenizer, default_tokenizer_dir
 
 parser = argparse.ArgumentParser(description="Train a byte-level BPE tokenizer on the training shards")
@@ -68,9 +68,9 @@ for name in sorted(os.listdir(tokenizer_dir)):
     print(f"  {name}: {os.path.getsize(os.path.join(tokenizer_dir, name)):,} bytes")
 print(f"token bytes: min {regular.min()}, max {regular.max()}, mean {regular.mean():.2f}, std {regular.std():.2f}")
 
-get_report().log(section="Tokenizer training", data=[
+get_report().log(section=Section.TOKENIZER_TRAINING, data=[
     vars(args),  # the command line
-    {"Vocabulary size": tokenizer.get_vocab_size(), "Training time": f"{train_time:.2f}s",
+    {Label.VOCAB_SIZE: tokenizer.get_vocab_size(), "Training time": f"{train_time:.2f}s",
      "Special tokens": len(SPECIAL_TOKENS), "Token bytes (min / max / mean / std)":
      f"{regular.min()} / {regular.max()} / {regular.mean():.2f} / {regular.std():.2f}"},
 ])

@@ -31,7 +31,7 @@ from jaxchat.mesh import make_mesh, put_batch, batch_sharding, replicated
 from jaxchat.optim import setup_optimizer
 from jaxchat.trainer import abstract_model, abstract_train_state, init_train_state, make_train_step
 from jaxchat.tokenizer import Tokenizer
-from scripts.train import EXIT_STOPPED
+from jaxchat.train_loop import EXIT_STOPPED
 
 CONFIG = GPTConfig(sequence_len=16, vocab_size=300, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
 

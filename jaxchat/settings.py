@@ -1,0 +1,238 @@
+"""Every training setting in one place: its name, default, help, group and check, as dataclass fields
+with metadata (as levanter/draccus do). scripts.train's command line is generated from RunSettings;
+a recipe is a named set of overrides of these defaults, plus the model's feature switches.
+
+    settings = parse_settings(["--depth=4", "--recipe=bdcc030"])   # checked once, when built
+    parser = build_parser()                                          # for --help
+
+The defaults are base_train.py's at nanochat commit bdcc030 (the `bdcc030` recipe); a flag's name is
+the field's with dashes (`total_batch_size` -> `--total-batch-size`).
+"""
+
+import argparse
+import dataclasses
+import types
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jaxchat.checkpoint import parse_resume_step
+from jaxchat.gpt import REMAT_POLICIES, check_window_pattern, width_and_heads
+
+
+class SettingsError(ValueError):
+    """A setting that cannot work; the message says which flag to change and how."""
+
+
+# ---- recipes --------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """A named, complete set of choices taken from one nanochat commit.
+
+    defaults: settings whose default differs from RunSettings' field defaults (the bdcc030 values).
+    replaced: flags this recipe does not have -> what replaced them (the one line a user gets).
+    model_features: GPT keyword switches of this recipe (value embeddings, smear, ...), passed to the model.
+    A setting that only some recipes have says so in its field's `recipes` metadata."""
+
+    name: str
+    nanochat_commit: str
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+    replaced: Mapping[str, str] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+    model_features: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+
+
+DEFAULT_RECIPE = "bdcc030"
+RECIPES: Mapping[str, Recipe] = types.MappingProxyType({
+    recipe.name: recipe for recipe in (
+        # nanochat in January 2026 (scripts/base_train.py at bdcc030): the field defaults below
+        Recipe(name="bdcc030", nanochat_commit="bdcc030"),
+    )
+})
+
+
+def get_recipe(name: str) -> Recipe:
+    if name not in RECIPES:
+        raise SettingsError(f"--recipe {name!r} is not a recipe: use one of {', '.join(RECIPES)}")
+    return RECIPES[name]
+
+
+# ---- the settings ---------------------------------------------------------------------------------
+
+def setting(default: Any, help: str, group: str, *, nanochat: bool = True, choices: Sequence | None = None,
+            positive: bool = False, parse: Any = None, recipes: Sequence[str] | None = None, cli: bool = True) -> Any:
+    """A RunSettings field: default and command-line metadata. nanochat: base_train.py has this flag (the
+    README's nanochat column); choices/positive: checked by RunSettings.check; parse: the argparse type when
+    the annotation is not enough; recipes: the recipes that have this setting (None: every one); cli: False
+    for settings of library callers only."""
+    return dataclasses.field(default=default, metadata={
+        "help": help, "group": group, "nanochat": nanochat, "choices": choices, "positive": positive,
+        "parse": parse, "recipes": recipes, "cli": cli})
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    """The settings of a training run: base_train.py's flags (same names and meanings) and jaxchat's own
+    (group JAX). Checked when built: an instance is a run that can start."""
+
+    # Logging
+    run: str = setting("dummy", "wandb run name ('dummy' disables wandb logging)", "Logging")
+    # Runtime
+    device_type: str = setting("", "cuda|cpu (empty = autodetect)", "Runtime")
+    recipe: str = setting(DEFAULT_RECIPE, f"nanochat recipe: {', '.join(RECIPES)}", "Runtime", nanochat=False)
+    # Model architecture
+    depth: int = setting(20, "depth of the Transformer model", "Model architecture", positive=True)
+    aspect_ratio: int = setting(64, "model_dim = depth * aspect_ratio", "Model architecture", positive=True)
+    head_dim: int = setting(128, "target head dimension for attention", "Model architecture", positive=True)
+    max_seq_len: int = setting(2048, "max context length", "Model architecture", positive=True)
+    window_pattern: str = setting("SSSL", "sliding window pattern tiled across layers: L=full, S=half context "
+                                  "(e.g. 'SSL')", "Model architecture")
+    # Training horizon (only one used, in order of precedence)
+    num_iterations: int = setting(-1, "explicit number of optimization steps (-1 = disable)", "Training horizon")
+    target_flops: float = setting(-1.0, "calculate num_iterations to reach target_flops (-1 = disable)",
+                                  "Training horizon")
+    target_param_data_ratio: int = setting(8, "calculate num_iterations to maintain data:param ratio "
+                                           "(Chinchilla=20, -1 = disable)", "Training horizon")
+    # Optimization
+    device_batch_size: int = setting(32, "per-device batch size", "Optimization", positive=True)
+    total_batch_size: int = setting(524288, "total batch size in tokens", "Optimization", positive=True)
+    embedding_lr: float = setting(0.3, "learning rate for embedding parameters (Adam)", "Optimization")
+    unembedding_lr: float = setting(0.004, "learning rate for unembedding parameters (Adam)", "Optimization")
+    weight_decay: float = setting(0.2, "cautious weight decay for the Muon optimizer (for weights)", "Optimization")
+    matrix_lr: float = setting(0.02, "learning rate for matrix parameters (Muon)", "Optimization")
+    scalar_lr: float = setting(0.5, "learning rate for scalars (resid_lambdas, x0_lambdas)", "Optimization")
+    adam_beta1: float = setting(0.8, "Adam beta1 for embedding/unembedding", "Optimization")
+    adam_beta2: float = setting(0.95, "Adam beta2 for embedding/unembedding", "Optimization")
+    warmup_ratio: float = setting(0.0, "ratio of iterations for LR warmup", "Optimization")
+    warmdown_ratio: float = setting(0.4, "ratio of iterations for LR warmdown", "Optimization")
+    final_lr_frac: float = setting(0.0, "final LR as fraction of initial LR", "Optimization")
+    resume_from_step: int | str = setting(-1, "resume training from this step (-1 = disable, 'latest' = newest "
+                                          "complete checkpoint, or a fresh start if there is none)", "Optimization",
+                                          parse=parse_resume_step)
+    # Evaluation
+    eval_every: int = setting(250, "evaluate val bpb every N steps (-1 = disable)", "Evaluation")
+    eval_tokens: int = setting(20 * 524288, "number of tokens to evaluate val loss on", "Evaluation")
+    core_metric_every: int = setting(2000, "evaluate CORE metric every N steps (-1 = disable)", "Evaluation")
+    core_metric_max_per_task: int = setting(500, "examples per task for CORE metric", "Evaluation")
+    sample_every: int = setting(2000, "sample from model every N steps (-1 = disable)", "Evaluation")
+    save_every: int = setting(-1, "save checkpoints every N steps (-1 = only at end)", "Evaluation")
+    # Output
+    model_tag: str | None = setting(None, "override model tag for checkpoint directory name", "Output")
+    # JAX only
+    num_devices: int = setting(-1, "devices in the mesh, over all processes (-1 = all)", "JAX", nanochat=False)
+    fsdp: bool = setting(False, "shard parameters over the data axis too (ZeRO-3), for depths whose state does "
+                         "not fit", "JAX", nanochat=False)
+    data_dir: str | None = setting(None, "parquet shards (default: <base_dir>/base_data)", "JAX", nanochat=False)
+    seed: int = setting(42, "seed of the model initialisation", "JAX", nanochat=False)
+    keep_checkpoints: int = setting(-1, "keep only the newest N checkpoints (-1 = all)", "JAX", nanochat=False)
+    attention: str = setting("auto", "attention kernel (auto: cudnn on NVIDIA GPUs, xla elsewhere)", "JAX",
+                             nanochat=False, choices=("auto", "cudnn", "xla"))
+    loader_workers: int = setting(4, "threads reading and tokenising data", "JAX", nanochat=False, positive=True)
+    remat: str = setting("dots", "what each block keeps for the backward pass: everything, matmul outputs, or its "
+                         "input only (dots: d20 at device batch 32 fits 80 GB)", "JAX", nanochat=False,
+                         choices=tuple(REMAT_POLICIES))
+    loss_chunk_len: int = setting(128, "positions per chunk of the loss head (float32 logits of one chunk at a "
+                                  "time)", "JAX", nanochat=False, positive=True)
+    # library callers only (the benchmarks): None is bfloat16 on accelerators, float32 on CPU
+    compute_dtype: str | None = setting(None, "compute dtype of the model", "JAX", nanochat=False, cli=False)
+
+    def __post_init__(self):
+        self.check()
+
+    @classmethod
+    def for_recipe(cls, recipe: str = DEFAULT_RECIPE, **values: Any) -> "RunSettings":
+        """The settings of `recipe`: its defaults, then `values` (which must be settings the recipe has)."""
+        chosen = get_recipe(recipe)
+        for name in values:
+            _check_recipe_has(chosen, name)
+        return cls(**{**chosen.defaults, **values, "recipe": recipe})
+
+    def check(self) -> None:
+        """The one checker: raises SettingsError naming the flag to change."""
+        get_recipe(self.recipe)
+        for field in dataclasses.fields(self):
+            value, meta = getattr(self, field.name), field.metadata
+            if meta["positive"] and value < 1:
+                raise SettingsError(f"{flag_name(field.name)} must be a positive integer, got {value}")
+            if meta["choices"] is not None and value not in meta["choices"]:
+                raise SettingsError(f"{flag_name(field.name)} {value!r}: use one of {', '.join(meta['choices'])}")
+        if self.num_iterations <= 0 and self.target_flops <= 0 and self.target_param_data_ratio <= 0:
+            raise SettingsError("no training horizon: set --num-iterations, --target-flops or --target-param-data-ratio")
+        try:
+            check_window_pattern(self.window_pattern)
+        except ValueError as e:
+            raise SettingsError(f"--window-pattern: {e}") from None
+        try:
+            width_and_heads(self.depth, self.aspect_ratio, self.head_dim)
+        except ValueError as e:  # the message names the flags
+            raise SettingsError(str(e)) from None
+
+    @property
+    def recipe_spec(self) -> Recipe:
+        return RECIPES[self.recipe]
+
+    def model_kwargs(self) -> dict:
+        """GPT keyword arguments: the recipe's feature switches and the JAX-only model settings."""
+        import jax.numpy as jnp
+
+        kwargs = {**self.recipe_spec.model_features, "remat": self.remat, "loss_chunk_len": self.loss_chunk_len}
+        if self.attention != "auto":
+            kwargs["attention_implementation"] = self.attention
+        if self.compute_dtype:
+            kwargs["dtype"] = jnp.dtype(self.compute_dtype)
+        return kwargs
+
+    def user_config(self) -> dict:
+        """The command-line settings by name: what a run logs (wandb, checkpoint meta, report)."""
+        return {f.name: getattr(self, f.name) for f in cli_fields()}
+
+
+# ---- the command line, generated --------------------------------------------------------------------
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def cli_fields() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(RunSettings) if f.metadata["cli"]]
+
+
+def _argparse_type(field: dataclasses.Field):
+    if field.metadata["parse"] is not None:
+        return field.metadata["parse"]
+    if isinstance(field.type, types.UnionType):  # X | None: an optional X
+        return next(t for t in field.type.__args__ if t is not type(None))
+    return field.type
+
+
+def build_parser(description: str = "Pretrain base model") -> argparse.ArgumentParser:
+    """The command line of RunSettings. Its defaults are SUPPRESSed, so that a parse holds only the flags
+    given (a recipe fills the rest); --help shows the default of the default recipe."""
+    parser = argparse.ArgumentParser(description=description, argument_default=argparse.SUPPRESS)
+    groups: dict[str, Any] = {}
+    for field in cli_fields():
+        group = groups.setdefault(field.metadata["group"], parser.add_argument_group(field.metadata["group"]))
+        help_text = f"{field.metadata['help']} (default: {field.default!r})"
+        if field.metadata["recipes"] is not None:
+            help_text += f"; recipes {', '.join(field.metadata['recipes'])} only"
+        if field.type is bool:
+            group.add_argument(flag_name(field.name), action="store_true", help=help_text)
+        else:
+            group.add_argument(flag_name(field.name), type=_argparse_type(field), choices=field.metadata["choices"],
+                               help=help_text)
+    return parser
+
+
+def _check_recipe_has(recipe: Recipe, name: str) -> None:
+    if name in recipe.replaced:
+        raise SettingsError(f"{flag_name(name)} is not a setting of recipe {recipe.name}: {recipe.replaced[name]}")
+    owners = RunSettings.__dataclass_fields__[name].metadata["recipes"]
+    if owners is not None and recipe.name not in owners:
+        raise SettingsError(f"{flag_name(name)} is not a setting of recipe {recipe.name}: it belongs to recipe(s) "
+                            f"{', '.join(owners)} (--recipe)")
+
+
+def parse_settings(argv: list[str] | None = None) -> RunSettings:
+    """The checked settings of a command line: field defaults, then the recipe's, then the flags given.
+    Raises SettingsError (argparse itself exits on a malformed flag)."""
+    given = vars(build_parser().parse_args(argv))
+    return RunSettings.for_recipe(given.pop("recipe", DEFAULT_RECIPE), **given)

@@ -1,0 +1,169 @@
+"""The training loop's policy, each rule once: when to evaluate, save, run CORE and sample (one "every N
+steps" rule), which steps are timed, what a step line prints, what the loop carries between steps and
+saves in every checkpoint, how a signal stops it and with which exit status. scripts.train runs the loop.
+
+The step loop runs num_iterations + 1 times (as base_train.py): the last pass only evaluates and saves.
+"""
+
+import dataclasses
+import signal
+import time
+
+from jaxchat.common import print0
+
+# Exit status of a run stopped by SIGTERM/SIGINT after saving its checkpoint (EX_TEMPFAIL of sysexits.h):
+# the run is not finished; the same command with --resume-from-step=latest carries it on. 0: finished.
+EXIT_STOPPED = 75
+EMA_BETA = 0.9  # smoothing of the printed training loss
+# Steps 0..TIMING_WARMUP_STEPS compile and warm up: their time is left out of total_training_time, the
+# ETA and the average tok/s (as base_train.py's `step > 10`)
+TIMING_WARMUP_STEPS = 10
+
+
+def timed_steps(steps_done: int) -> int:
+    """How many of the steps 0..steps_done-1 count in total_training_time."""
+    return max(0, steps_done - (TIMING_WARMUP_STEPS + 1))
+
+
+@dataclasses.dataclass
+class LoopState:
+    """What the loop carries from step to step besides the arrays; saved in every checkpoint's meta."""
+
+    step: int = 0
+    val_bpb: float | None = None  # the last validation bpb
+    min_val_bpb: float = float("inf")
+    smooth_train_loss: float = 0.0  # EMA of the training loss (debiased when printed)
+    total_training_time: float = 0.0  # seconds of the timed steps (timed_steps)
+
+    def to_meta(self) -> dict:
+        """nanochat's checkpoint fields: step, val_bpb and the rest as loop_state."""
+        return {"step": self.step, "val_bpb": self.val_bpb,
+                "loop_state": {"min_val_bpb": self.min_val_bpb, "smooth_train_loss": self.smooth_train_loss,
+                               "total_training_time": self.total_training_time}}
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> "LoopState":
+        return cls(step=meta["step"], val_bpb=meta["val_bpb"], **meta["loop_state"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Every:
+    """One "every N steps" rule (N <= 0: never). Due at the last step, and at every multiple of N except the
+    step this process started from: a fresh run's step 0 (only with at_step_0: the untrained baseline), or
+    the resumed step, whose evaluation, save, CORE and samples the run that saved it has done already.
+    always_last: due at the last step even with N <= 0 (the final checkpoint)."""
+
+    n: int
+    at_step_0: bool = False
+    always_last: bool = False
+
+    def due(self, step: int, *, last_step: bool, start_step: int) -> bool:
+        if last_step:
+            return self.always_last or self.n > 0
+        if self.n <= 0 or step % self.n:
+            return False
+        return step != start_step or (step == 0 and self.at_step_0)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopPolicy:
+    """When the loop evaluates, saves, runs CORE and samples (base_train.py's four rules, as Every)."""
+
+    start_step: int
+    eval: Every
+    save: Every
+    core: Every
+    sample: Every
+
+    @classmethod
+    def from_settings(cls, settings, start_step: int) -> "LoopPolicy":
+        return cls(start_step=start_step,
+                   eval=Every(settings.eval_every, at_step_0=True),
+                   save=Every(settings.save_every, always_last=True),
+                   core=Every(settings.core_metric_every),
+                   sample=Every(settings.sample_every))
+
+    def due(self, rule: Every, step: int, last_step: bool) -> bool:
+        return rule.due(step, last_step=last_step, start_step=self.start_step)
+
+
+class StopSignals:
+    """SIGTERM / SIGINT: the loop finishes the step in flight, saves and exits with EXIT_STOPPED; a second
+    signal stops at once, without a checkpoint."""
+
+    def __init__(self):
+        self.received: list[int] = []
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.received:
+            raise KeyboardInterrupt
+        print0(f"Signal {signum} received: finishing the current step, then saving a checkpoint")
+        self.received.append(signum)
+
+
+class StepLogger:
+    """nanochat's step line, read one step late: the device runs the next step while the host reads
+    this one's loss. Keeps the loss EMA and the timing in the LoopState, and the report's curve rows.
+    run: a jaxchat.run.Run (horizon, FLOPs, batch size); schedules: the optimizer's, for every step."""
+
+    def __init__(self, run, peak_flops: float | None, schedules: dict, wandb_run):
+        self.run, self.peak_flops, self.schedules, self.wandb_run = run, peak_flops, schedules, wandb_run
+        self.pending = None  # (step, metrics, dispatched_at, epoch) not read yet
+        self.curve = []  # (step, loss, val_bpb) rows for the report's CSV, not written yet
+        self.mfu = None
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        """After work that is not training (evaluation, sampling): the next step's time starts now."""
+        self.last_done = time.perf_counter()
+
+    def write_curve(self, report) -> None:
+        """Append the new rows to <base_dir>/report/training_curve.csv (at evals and saves, so the curve on
+        disk always reaches the newest checkpoint and a resumed run carries it on)."""
+        if report is not None:
+            report.append_curve(self.curve)
+        self.curve.clear()
+
+    def flush(self, loop: LoopState) -> None:
+        """Read the pending step's loss (blocks until it is done) and print its line."""
+        if self.pending is None:
+            return
+        s, metrics, dispatched_at, epoch = self.pending
+        self.pending = None
+        loss = float(metrics["loss"])
+        now = time.perf_counter()
+        dt = now - max(self.last_done, dispatched_at)  # device time of step s: since s-1 finished, or since s was sent
+        self.last_done = now
+        loop.smooth_train_loss = EMA_BETA * loop.smooth_train_loss + (1 - EMA_BETA) * loss
+        smooth = loop.smooth_train_loss / (1 - EMA_BETA ** (s + 1))
+        total_batch_size, num_iterations = self.run.settings.total_batch_size, self.run.num_iterations
+        tok_per_sec = int(total_batch_size / dt)
+        flops_per_sec = self.run.flops_per_token * total_batch_size / dt
+        world = self.run.mesh.devices.size
+        self.mfu = 100 * flops_per_sec / (self.peak_flops * world) if self.peak_flops else None
+        eta = ""
+        if timed_steps(s + 1):
+            loop.total_training_time += dt
+            eta = f" | eta: {(num_iterations - s) * loop.total_training_time / timed_steps(s + 1) / 60:.1f}m"
+        mfu = f"{self.mfu:.2f}" if self.mfu is not None else "n/a"
+        lrm = self.schedules["lrm"][s]
+        print0(f"step {s:05d}/{num_iterations:05d} ({100 * s / num_iterations:.2f}%) | loss: {smooth:.6f} | "
+               f"lrm: {lrm:.2f} | dt: {dt * 1000:.2f}ms | tok/sec: {tok_per_sec:,} | mfu: {mfu} | epoch: {epoch} | "
+               f"total time: {loop.total_training_time / 60:.2f}m{eta}")
+        self.curve.append((s, smooth, None))
+        if s % 100 == 0:
+            self.wandb_run.log({
+                "step": s,
+                "total_training_flops": self.run.training_flops(s),
+                "total_training_time": loop.total_training_time,
+                "train/loss": smooth,
+                "train/lrm": float(lrm),
+                "train/muon_momentum": float(self.schedules["muon_momentum"][s]),
+                "train/weight_decay": float(self.schedules["weight_decay"][s]),
+                "train/dt": dt,
+                "train/tok_per_sec": tok_per_sec,
+                "train/epoch": epoch,
+                **({"train/mfu": self.mfu} if self.mfu is not None else {}),  # unknown peak (a CPU): not logged as 0
+            })
