@@ -37,7 +37,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxchat.common import get_base_dir, key_name, print0
-from jaxchat.gpt import GPT, GPTConfig
+from jaxchat.gpt import GPT, GPTConfig, abstract_model
 from jaxchat.mesh import make_mesh, replicated
 
 LATEST = "latest"  # restore(step=LATEST): the newest complete checkpoint
@@ -452,8 +452,7 @@ def load_model(model_tag: str | None = None, step: int | None = None, base_dir: 
             if step is None:
                 raise NoCheckpointError(f"No complete checkpoint in {ckpt.directory}")
         config = GPTConfig(**ckpt.read_meta(step)["model_config"])
-        abstract_model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0), **model_kwargs))
-        graphdef, abstract_params, rest = nnx.split(abstract_model, nnx.Param, ...)
+        graphdef, abstract_params, rest = nnx.split(abstract_model(config, **model_kwargs), nnx.Param, ...)
         shardings = replicated(abstract_params, mesh or make_mesh())
         params, _, meta = ckpt.restore(step, abstract_params, None, shardings, tokenizer=tokenizer)
     print0(f"Loaded {model_tag} step {step} from {ckpt.directory}")

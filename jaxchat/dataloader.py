@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 import grain
 import numpy as np
 
-from jaxchat import dataset
+from jaxchat import shards
 
 TOKENIZER_BATCH_DOCS = 128  # documents per tokenizer call, and per buffer refill (nanochat)
 
@@ -254,7 +254,7 @@ def process_row_groups(split: str, process_index: int, process_count: int,
     shares of all processes are disjoint and cover every row group."""
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
-    row_groups = dataset.list_row_groups(split, data_dir)
+    row_groups = shards.list_row_groups(split, data_dir)
     if len(row_groups) < process_count:
         raise ValueError(
             f"The {split} split has {len(row_groups)} row groups, fewer than the {process_count} processes that "
@@ -274,7 +274,7 @@ def _make_loader(tokenizer, split: str, batch_shape: tuple[int, ...], seq_len: i
                  process_count: int, data_dir: str | None, buffer_docs: int, workers: int,
                  prefetch: int) -> grain.DatasetIterator:
     row_groups = process_row_groups(split, process_index, process_count, data_dir)
-    texts = grain.MapDataset.source(row_groups).map(lambda row_group: dataset.read_row_group(*row_group))
+    texts = grain.MapDataset.source(row_groups).map(lambda row_group: shards.read_row_group(*row_group))
     # File names and sizes, not paths: the data may move between runs.
     names = [(os.path.basename(path), os.path.getsize(path), row_group) for path, row_group in row_groups]
     fingerprint = f"{len(row_groups)} row groups, sha1 {hashlib.sha1(json.dumps(names).encode()).hexdigest()[:12]}"

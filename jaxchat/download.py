@@ -15,7 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from jaxchat.common import Progress, eta_text
-from jaxchat.dataset import CORPUS_INFO_FILE, CorruptShardError, get_data_dir, open_shard, shard_filename
+from jaxchat.shards import CORPUS_INFO_FILE, CorruptShardError, get_data_dir, open_shard, shard_filename
 
 # FineWeb-Edu, re-shuffled by Karpathy into 1,823 shards of ~250M characters each.
 BASE_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"

@@ -337,11 +337,16 @@ def reduce_losses(losses: jax.Array, valid: jax.Array, reduction: str = "mean") 
     raise ValueError(f"unknown loss_reduction {reduction!r}: use 'mean', 'sum' or 'none'")
 
 
+def abstract_model(config: GPTConfig, seed: int = 0, **model_kwargs) -> GPT:
+    """The GPT's structure with ShapeDtypeStructs in place of arrays: no memory spent."""
+    return nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(seed), **model_kwargs))
+
+
 def estimate_flops(config: GPTConfig) -> int:
     """Training FLOPs per token, nanochat's estimate: 6 x the weights of every matmul (the model's linear
     kernels, lm_head included; not wte, a lookup, nor the lambdas) + 12 x heads x head_dim x window for
     each layer's attention scores and values."""
-    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    model = abstract_model(config)
     matmul_params = sum(math.prod(node.kernel.shape) for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Linear))
     attention = sum(12 * config.n_head * config.head_dim * min(w, config.sequence_len) for w in config.window_sizes())
     return 6 * matmul_params + attention

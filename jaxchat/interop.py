@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxchat.gpt import GPT, GPTConfig
+from jaxchat.gpt import GPT, GPTConfig, abstract_model
 from jaxchat.tokenizer import Tokenizer
 
 NANOCHAT_COMMIT = "bdcc030"
@@ -93,7 +93,7 @@ def to_nanochat_state_dict(model: GPT) -> dict[str, np.ndarray]:
 
 def from_nanochat_state_dict(config: GPTConfig, state_dict: dict[str, np.ndarray], **model_kwargs) -> GPT:
     """The inverse of to_nanochat_state_dict: a GPT of `config` holding exactly those weights (as float32)."""
-    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0), **model_kwargs))
+    model = abstract_model(config, **model_kwargs)
     names = {path: nanochat_name(path) for path in _flat_params(model)}
     expected = {name for name, _ in names.values()}
     missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)

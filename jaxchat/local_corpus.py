@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jaxchat.dataset import CORPUS_INFO_FILE, get_data_dir, list_parquet_files, shard_filename
+from jaxchat.shards import CORPUS_INFO_FILE, get_data_dir, list_parquet_files, shard_filename
 
 
 TEXT_SUFFIXES = (".txt", ".md")

@@ -24,7 +24,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxchat.gpt import GPT, GPTConfig, logical_axes
+from jaxchat.gpt import GPT, GPTConfig, abstract_model, logical_axes  # abstract_model: re-exported
 from jaxchat.mesh import DATA_AXIS, REPLICATED, SHARDED, batch_sharding, shardings
 from jaxchat.optim import Optimizer
 
@@ -43,11 +43,6 @@ class TrainState:
     def model(self) -> GPT:
         """A GPT holding the current parameters (shares their buffers; for eval and sampling)."""
         return nnx.merge(self.graphdef, self.params)
-
-
-def abstract_model(config: GPTConfig, seed: int = 0, **model_kwargs) -> GPT:
-    """The GPT's structure with ShapeDtypeStructs in place of arrays: no memory spent."""
-    return nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(seed), **model_kwargs))
 
 
 def abstract_train_state(config: GPTConfig, optimizer: Optimizer, mesh: Mesh, *,

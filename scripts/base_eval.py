@@ -13,36 +13,8 @@ import argparse
 import csv
 import os
 
-from jaxchat.common import fail, select_platform
-
-
-def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model-tag", type=str, default=None,
-                        help="checkpoint directory under <base_dir>/base_checkpoints (default: the deepest d<N>)")
-    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest complete one)")
-    parser.add_argument("--device-type", type=str, default="", help="cuda|cpu (empty = autodetect)")
-
-
-def load_checkpoint(args: argparse.Namespace):
-    """Start JAX as the flags say and load (model, tokenizer, meta, model_tag), or exit saying what is missing."""
-    from jaxchat.common import quiet_jax_warnings
-    from jaxchat.mesh import maybe_initialize_distributed
-
-    quiet_jax_warnings()  # first, so that starting the backend prints nothing of the libraries' either
-    maybe_initialize_distributed()  # before anything touches a device
-    select_platform(args.device_type)
-
-    from jaxchat.checkpoint import CHECKPOINTS_SUBDIR, CheckpointError, find_model_tag, load_model
-    from jaxchat.common import get_base_dir
-    from jaxchat.tokenizer import get_tokenizer
-
-    try:
-        tokenizer = get_tokenizer()
-        model_tag = args.model_tag or find_model_tag(os.path.join(get_base_dir(), CHECKPOINTS_SUBDIR))
-        model, meta = load_model(model_tag, args.step, tokenizer=tokenizer)
-    except (FileNotFoundError, CheckpointError) as e:
-        fail(str(e))
-    return model, tokenizer, meta, model_tag
+from jaxchat.common import fail
+from jaxchat.saved_model import LOAD_ERRORS, add_checkpoint_args, load_saved_model
 
 
 def write_results_csv(path: str, results: dict, centered_results: dict, core_metric: float) -> None:
@@ -62,7 +34,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens-per-device", type=int, default=8192,
                         help="batch size in padded tokens per device (lower it if memory runs out)")
     args = parser.parse_args(argv)
-    model, tokenizer, meta, model_tag = load_checkpoint(args)
+    try:
+        model, tokenizer, meta, model_tag = load_saved_model(args)
+    except LOAD_ERRORS as e:
+        fail(str(e))
 
     from jaxchat.common import get_base_dir, is_master, print0
     from jaxchat.core_eval import evaluate_core

@@ -9,8 +9,8 @@ packed as in training, at the checkpoint's sequence length. Adds a section to th
 
 import argparse
 
-from scripts.base_eval import add_checkpoint_args, load_checkpoint
 from jaxchat.common import fail
+from jaxchat.saved_model import LOAD_ERRORS, add_checkpoint_args, load_saved_model
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -20,7 +20,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--split-tokens", type=int, default=20 * 524288, help="tokens to evaluate per split")
     parser.add_argument("--data-dir", type=str, default=None, help="parquet shards (default: <base_dir>/base_data)")
     args = parser.parse_args(argv)
-    model, tokenizer, meta, model_tag = load_checkpoint(args)
+    try:
+        model, tokenizer, meta, model_tag = load_saved_model(args)
+    except LOAD_ERRORS as e:
+        fail(str(e))
 
     import jax
 

@@ -9,7 +9,8 @@ Uses the KV-cache engine: the prompt is prefilled once for all samples, then one
 
 import argparse
 
-from scripts.base_eval import add_checkpoint_args, load_checkpoint
+from jaxchat.common import fail
+from jaxchat.saved_model import LOAD_ERRORS, add_checkpoint_args, load_saved_model
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -22,7 +23,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("-k", "--top-k", type=int, default=50, help="sample among the k likeliest tokens (0 = all)")
     parser.add_argument("--seed", type=int, default=42)
     args = parser.parse_args(argv)
-    model, tokenizer, _, _ = load_checkpoint(args)
+    try:
+        model, tokenizer, _, _ = load_saved_model(args)
+    except LOAD_ERRORS as e:
+        fail(str(e))
 
     from jaxchat.common import print0
     from jaxchat.engine import Engine

@@ -10,7 +10,7 @@ import socket
 
 import tiktoken
 
-from jaxchat.dataset import list_row_groups, read_row_group
+from jaxchat.shards import list_row_groups, read_row_group
 from jaxchat.report import Label, Section, get_report
 from jaxchat.tokenizer import get_tokenizer
 

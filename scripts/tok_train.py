@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 
 from jaxchat.common import Progress
-from jaxchat.dataset import list_row_groups, read_row_group
+from jaxchat.shards import list_row_groups, read_row_group
 from jaxchat.report import Label, Section, get_report
 from jaxchat.tokenizer import SPECIAL_TOKENS, Tokenizer, default_tokenizer_dir
 

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jaxchat import dataloader, dataset
+from jaxchat import dataloader, shards
 from jaxchat.tokenizer import Tokenizer
 
 BOS = 0  # the synthetic documents' BOS; their other tokens are their own id (>= 1)
@@ -159,7 +159,7 @@ def write_shards(data_dir, documents, num_shards, docs_per_row_group):
     os.makedirs(data_dir, exist_ok=True)
     for i, docs in enumerate(np.array_split(np.array(documents, dtype=object), num_shards)):
         pq.write_table(pa.table({"text": pa.array(list(docs), type=pa.string())}),
-                       os.path.join(data_dir, dataset.shard_filename(i)), row_group_size=docs_per_row_group)
+                       os.path.join(data_dir, shards.shard_filename(i)), row_group_size=docs_per_row_group)
     return data_dir
 
 
@@ -204,7 +204,7 @@ def test_train_loader_equals_reference(tokenizer, data_dir, process_index, proce
 
 @pytest.mark.parametrize("process_count", [2, 4])
 def test_process_shares_are_disjoint_and_cover(data_dir, process_count):
-    everything = dataset.list_row_groups("train", data_dir)
+    everything = shards.list_row_groups("train", data_dir)
     shares = [dataloader.process_row_groups("train", p, process_count, data_dir) for p in range(process_count)]
     assert sorted(rg for share in shares for rg in share) == sorted(everything)
     assert sum(len(share) for share in shares) == len(set(everything)) == len(everything)
@@ -343,11 +343,11 @@ def test_no_shards_says_what_to_run(tokenizer, tmp_path):
 
 def test_corrupt_shard_error_names_the_file(tokenizer, tmp_path, corpus_documents):
     data_dir = write_shards(str(tmp_path / "data"), corpus_documents[:40], 2, 10)
-    broken = os.path.join(data_dir, dataset.shard_filename(0))
+    broken = os.path.join(data_dir, shards.shard_filename(0))
     with open(broken, "r+b") as f:  # garble the data pages, keep the footer: the file still opens
         f.seek(4)
         f.write(os.urandom(os.path.getsize(broken) // 2))
     loader = dataloader.make_train_loader(tokenizer, 2, 32, 1, 0, 1, data_dir=data_dir, buffer_docs=5, workers=1)
-    with pytest.raises(dataset.CorruptShardError, match=broken):
+    with pytest.raises(shards.CorruptShardError, match=broken):
         next(loader)
     loader.close()

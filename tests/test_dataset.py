@@ -15,8 +15,8 @@ import pytest
 
 from jaxchat import dataset, download
 from jaxchat.common import Progress
-from jaxchat.dataset import (CORPUS_INFO_FILE, CorruptShardError, list_parquet_files, list_row_groups,
-                             parquet_paths_for_split, read_row_group, shard_filename)
+from jaxchat.shards import (CORPUS_INFO_FILE, CorruptShardError, list_parquet_files, list_row_groups,
+                            parquet_paths_for_split, read_row_group, shard_filename)
 from jaxchat.download import DownloadError, download_shard, download_shards
 from jaxchat.local_corpus import split_into_documents, write_shards
 
