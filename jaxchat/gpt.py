@@ -84,7 +84,7 @@ class GPTConfig:
 def check_window_pattern(pattern: str) -> None:
     """A window pattern is a non-empty string of S (half context) and L (full context)."""
     if not pattern or any(c not in "SL" for c in pattern.upper()):
-        raise ValueError(f"window pattern {pattern!r} must be made of S (half context) and L (full context)")
+        raise ValueError(f"window_pattern {pattern!r} must be made of S (half context) and L (full context)")
 
 
 def width_and_heads(depth: int, aspect_ratio: int, head_dim: int) -> tuple[int, int]:

@@ -20,7 +20,7 @@ from jax.extend import core as jcore
 from flax import nnx
 from jax.extend import source_info_util
 
-from conftest import bf16_round, np_forward, randomized, rel_err
+from nanochat_numpy import bf16_round, np_forward, randomized, rel_err
 from jaxchat.gpt import GPTConfig
 from jaxchat.interop import from_nanochat_state_dict, to_nanochat_state_dict
 from jaxchat.mesh import make_mesh

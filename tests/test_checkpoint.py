@@ -615,6 +615,7 @@ def assert_same_step(dir_a: str, dir_b: str) -> None:
         assert meta_a["loop_state"][key] == meta_b["loop_state"][key], key
 
 
+@pytest.mark.slow
 def test_a_run_prints_base_train_figures_saves_and_samples(runs):
     out, _ = runs["whole"]
     for needle in ("Number of parameters:", "Estimated FLOPs per token:", "Total batch size 512 => gradient "
@@ -629,6 +630,7 @@ def test_a_run_prints_base_train_figures_saves_and_samples(runs):
     assert len(samples) == 7 and samples[0].startswith("<|bos|>The capital of France is")
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_the_requeued_run_finishes_exactly_the_same(runs):
     checkpoints = runs["base"] / "base_checkpoints"
     whole = dict(STEP_LINE.findall(runs["whole"][0]))
@@ -647,6 +649,7 @@ def test_sigterm_saves_and_the_requeued_run_finishes_exactly_the_same(runs):
         assert_same_step(str(checkpoints / "requeued" / step), str(checkpoints / "whole" / step))
 
 
+@pytest.mark.slow
 def test_the_report_curve_starts_anew_and_a_resumed_run_carries_it_on(runs):
     whole_out, whole_curve = runs["whole"]
     assert whole_curve == printed_curve(whole_out)  # the older run's row is gone; values as printed

@@ -30,6 +30,7 @@ def figure(pattern: str, text: str) -> str:
     return match.group(1)
 
 
+@pytest.mark.slow
 def test_every_stage_runs_and_the_model_learns(demo):
     base, out = demo
     assert "Traceback" not in out
@@ -50,6 +51,7 @@ def test_every_stage_runs_and_the_model_learns(demo):
     assert len(re.findall(r"^-{80}\n(The module.*)$", out, re.M)) == 3  # scripts.sample's three samples
 
 
+@pytest.mark.slow
 def test_report_has_the_curve_and_the_run_figures(demo):
     base, out = demo
     report_dir = base / "report"
@@ -84,14 +86,9 @@ def test_report_has_the_curve_and_the_run_figures(demo):
     assert [(int(r["step"]), r["val_bpb"]) for r in rows if r["val_bpb"]] == printed_bpbs
 
 
-def test_readme_starts_with_the_demo_and_documents_every_train_flag():
+def test_readme_starts_with_the_demo():
     with open(os.path.join(REPO_ROOT, "README.md"), encoding="utf-8") as f:
         readme = f.read()
     first_block = readme.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
     assert first_block[0].startswith("bash runs/cpu_demo.sh")
     assert "python -m pytest -q" in first_block[1]
-    with open(os.path.join(REPO_ROOT, "scripts", "train.py"), encoding="utf-8") as f:
-        flags = re.findall(r"add_argument\(\"(--[a-z0-9-]+)\"", f.read())
-    assert len(flags) > 30
-    table_flags = re.findall(r"^\| `(--[a-z0-9-]+)` \|", readme, re.M)
-    assert sorted(table_flags) == sorted(flags)

@@ -351,6 +351,7 @@ def test_bad_input_is_refused_with_what_to_do(tmp_path, config, tokenizer, monke
         export_to_nanochat(str(tmp_path / "nanochat2"), base_dir=str(tmp_path / "jaxchat"))
 
 
+@pytest.mark.slow
 def test_command_line_prints_its_own_lines_only(exported, tmp_path, capsys, monkeypatch):
     _, nanochat_dir, _ = exported
     monkeypatch.setenv("JAXCHAT_BASE_DIR", str(tmp_path / "jaxchat"))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import np_forward, randomized
+from nanochat_numpy import np_forward, randomized
 from jaxchat.attention import causal_attention
 from jaxchat.gpt import GPT, CausalSelfAttention, GPTConfig
 from jaxchat.interop import from_nanochat_state_dict, to_nanochat_state_dict

@@ -1,4 +1,4 @@
-"""Muon against an independent float64 NumPy version of nanochat's (tests/conftest.py), written in the
+"""Muon against an independent float64 NumPy version of nanochat's (tests/nanochat_numpy.py), written in the
 PyTorch (rows, cols) = (out, in) layout; jaxchat works on Flax kernels (in, out) = W.T.
 
 Tolerances. Polar Express in float32 follows its polynomial to ~1e-5, so with polar_dtype=float32
@@ -16,7 +16,7 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import (
+from nanochat_numpy import (
     POLAR_EXPRESS_COEFFS,
     bf16_round,
     ref_muon_step,

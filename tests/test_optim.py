@@ -22,7 +22,7 @@ from jaxchat.optim import (
     setup_optimizer,
     weight_decay_at,
 )
-from conftest import BF16_MIN_COSINE, BF16_REL_TOL, cosine, ref_muon_step, ref_second_moment, rel_err, torch_matrices
+from nanochat_numpy import BF16_MIN_COSINE, BF16_REL_TOL, cosine, ref_muon_step, ref_second_moment, rel_err, torch_matrices
 
 TINY = GPTConfig(sequence_len=32, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
 

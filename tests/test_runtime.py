@@ -19,6 +19,7 @@ def start_jax_with(xla_flags: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", START_JAX], env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_the_flag_set_starts_jax():
     # The CPU jaxlib registers XLA's GPU flags too, and aborts at start-up on a name it does not know:
     # so a run that starts and computes proves every name and value parses in this JAX version.
@@ -56,6 +57,7 @@ def test_cpu_runs_are_left_alone():
         assert environ == before
 
 
+@pytest.mark.slow
 def test_gpu_run_gets_the_defaults_before_jax_starts():
     # a fresh process that never imports JAX, as scripts.train's first lines
     code = ("import json; from jaxchat.runtime import apply_gpu_defaults; env = {'XLA_FLAGS': '--xla_dump_to=/tmp/x'}; "

@@ -206,6 +206,7 @@ def worker_losses(proc):
     return [float(v) for v in line.split()[1:]]
 
 
+@pytest.mark.slow
 def test_two_processes_agree_with_one(subprocess_env, free_port):
     """2 processes x 2 CPU devices (jax.distributed on 127.0.0.1, gloo collectives) == 1 process x 4 (this one)."""
     port = free_port()
