@@ -1,0 +1,94 @@
+"""The code's shape: jaxchat's modules import no circle (deferred imports inside functions count too),
+scripts are leaves (nothing imports one, none imports another), every module imports."""
+
+import ast
+import importlib
+import os
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def modules(package: str) -> list[str]:
+    folder = os.path.join(REPO_ROOT, package)
+    return sorted(f"{package}.{name[:-3]}" for name in os.listdir(folder) if name.endswith(".py") and name != "__init__.py")
+
+
+def imported(module: str) -> set[str]:
+    """Every module name `module` imports anywhere in its source (top level or inside a function)."""
+    with open(os.path.join(REPO_ROOT, *module.split(".")) + ".py", encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)  # `from jaxchat import x`
+    return names
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of the directed graph as a path [a, b, ..., a], or None (depth-first search, three colours)."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_find_cycle_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_jaxchat_imports_no_circle():
+    names = modules("jaxchat")
+    graph = {m: {n for n in imported(m) if n in names and n != m} for m in names}
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+# scripts.gpu_check still imports scripts.bench's analyser, which issue 27 moves into jaxchat/: delete this
+# entry when that lands
+NOT_YET_LEAVES = {"scripts.gpu_check"}
+
+
+def test_scripts_are_leaves():
+    for module in modules("jaxchat") + modules("scripts"):
+        if module not in NOT_YET_LEAVES:
+            assert not {n for n in imported(module) if n == "scripts" or n.startswith("scripts.")}, module
+
+
+@pytest.mark.parametrize("module", modules("jaxchat") + modules("scripts"))
+def test_every_module_imports(module):
+    if module in ("scripts.tok_train", "scripts.tok_eval"):
+        pytest.skip("runs its work at import (no main)")
+    importlib.import_module(module)
+
+
+MAX_FUNCTION_LINES = 80  # a function longer than a screen or so is several functions
+
+
+def test_no_function_is_longer_than_a_screen():
+    long = []
+    for module in modules("jaxchat") + modules("scripts"):
+        with open(os.path.join(REPO_ROOT, *module.split(".")) + ".py", encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        long += [(module, node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(tree)
+                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not long, long
