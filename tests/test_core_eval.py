@@ -27,7 +27,9 @@ from jaxchat.core_eval import (
     render_prompts_schema,
 )
 from jaxchat.gpt import GPT, GPTConfig
+from jaxchat.interop import to_nanochat_state_dict
 from jaxchat.tokenizer import Tokenizer
+from nanochat_numpy import np_forward, randomized
 
 # ---- a small bundle in the real format ----------------------------------------------------------
 COLORS = ["red", "green", "blue", "yellow", "black", "white", "orange", "purple"]
@@ -313,16 +315,54 @@ def test_rows_too_long_for_their_continuation_are_an_error(bundle_dir, tokenizer
         evaluate_core(model, tokenizer, bundle_dir=bundle_dir, max_len=3)
 
 
+def reference_gpt_accuracy(task_type, examples, logits_of) -> tuple[float, float]:
+    """nanochat's scoring of (rows, spans, gold) examples with float64 logits (logits_of(row): (len, V)):
+    the accuracy, and the smallest decision margin (float32 on device must not flip a decision)."""
+    correct, margin = [], math.inf
+    for rows, spans, gold in examples:
+        mean_losses, predicted = [], True
+        for row, (s, e) in zip(rows, spans):
+            logits = logits_of(row)[s - 1: e - 1]
+            logz = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
+            mean_losses.append(np.mean(logz - logits[np.arange(e - s), row[s:e]]))
+            predicted &= bool(np.all(logits.argmax(1) == row[s:e]))
+            if task_type == "language_modeling":  # a hit needs every position right, a miss one clearly wrong
+                target = logits[np.arange(e - s), row[s:e]]
+                others = logits.copy()
+                others[np.arange(e - s), row[s:e]] = -np.inf
+                gaps = target - others.max(1)  # > 0: the target is the argmax
+                margin = min(margin, float(gaps.min() if np.all(gaps > 0) else -gaps.min()))
+        if task_type == "language_modeling":
+            correct.append(predicted)
+        else:
+            ranked = np.sort(mean_losses)
+            margin = min(margin, ranked[1] - ranked[0])
+            correct.append(int(np.argmin(mean_losses)) == gold)
+    return sum(correct) / len(correct), margin
+
+
 def test_core_end_to_end_on_a_tiny_gpt(bundle_dir, tokenizer):
+    """A real GPT (every weight random, so no part is a no-op) against the float64 NumPy GPT of nanochat
+    scored by nanochat's rules; the second run reuses the first's compiled programs."""
     config = GPTConfig(sequence_len=32, vocab_size=tokenizer.get_vocab_size(), n_layer=2, n_head=2, n_kv_head=2,
                        n_embd=32, window_pattern="SL")
-    model = GPT(config, rngs=nnx.Rngs(0))
+    model = randomized(config, seed=2)
     core_eval._score_rows.clear_cache()
     first = evaluate_core(model, tokenizer, bundle_dir=bundle_dir, tokens_per_device=256)
     second = evaluate_core(model, tokenizer, bundle_dir=bundle_dir, tokens_per_device=256)
-    assert first == second
-    assert all(0.0 <= a <= 1.0 for a in first["results"].values())
+    assert first == second  # the same program on the same rows: bit-exact
     assert set(first["results"]) == {"mc_task", "schema_task", "lm_task"}
+    state_dict = to_nanochat_state_dict(model)
+    max_len = core_eval.default_max_len(model)
+    for label, task_type, items, shots, delimiter, _ in TASKS:
+        examples = reference_examples(task_type, items, shots, delimiter or " ", tokenizer, max_len, -1)
+        accuracy, margin = reference_gpt_accuracy(
+            task_type, examples, lambda row: np_forward(state_dict, config, np.asarray([row]))[0])
+        # float32 against float64 logits of size ~15 (the soft cap): errors of ~1e-5; a smaller margin
+        # could let rounding flip a decision, and the comparison would no longer be exact
+        assert margin > 1e-3, (label, margin)
+        # accuracies are counts / n in float64 on both sides
+        assert first["results"][label] == pytest.approx(accuracy, abs=1e-12), label
     # one compilation per bucket length for the whole run, shared by every task and by the second run
     rows = [len(r) for task in load_core_tasks(bundle_dir)
             for ex in core_eval.encode_task(task, tokenizer, 320) for r in ex.rows]
