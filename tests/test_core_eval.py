@@ -155,23 +155,23 @@ def reference_examples(task_type, items, shots, delimiter, tokenizer, max_len, m
     return examples
 
 
-def reference_accuracy(task_type, examples, table, position_bias):
-    """nanochat's scoring in float64. Also returns the smallest decision margin, to check that float32
-    on device cannot flip a decision."""
+def reference_accuracy(task_type, examples, logits_of) -> tuple[float, float]:
+    """nanochat's scoring of (rows, spans, gold) examples with float64 logits (logits_of(row): (len, V)):
+    the accuracy, and the smallest decision margin (float32 on device must not flip a decision)."""
     correct, margin = [], math.inf
     for rows, spans, gold in examples:
         mean_losses, predicted = [], True
         for row, (s, e) in zip(rows, spans):
-            losses = []
-            for p in range(s - 1, e - 1):
-                logits = table[row[p]] + position_bias[p]
-                logz = np.log(np.sum(np.exp(logits - logits.max()))) + logits.max()
-                losses.append(logz - logits[row[p + 1]])
-                predicted &= int(np.argmax(logits)) == row[p + 1]
-                if task_type == "language_modeling":
-                    top2 = np.sort(logits)[-2:]
-                    margin = min(margin, top2[1] - top2[0])
-            mean_losses.append(np.mean(losses))
+            logits = logits_of(row)[s - 1: e - 1]
+            logz = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
+            mean_losses.append(np.mean(logz - logits[np.arange(e - s), row[s:e]]))
+            predicted &= bool(np.all(logits.argmax(1) == row[s:e]))
+            if task_type == "language_modeling":  # a hit needs every position right, a miss one clearly wrong
+                target = logits[np.arange(e - s), row[s:e]]
+                others = logits.copy()
+                others[np.arange(e - s), row[s:e]] = -np.inf
+                gaps = target - others.max(1)  # > 0: the target is the argmax
+                margin = min(margin, float(gaps.min() if np.all(gaps > 0) else -gaps.min()))
         if task_type == "language_modeling":
             correct.append(predicted)
         else:
@@ -263,7 +263,8 @@ def test_core_matches_hand_computation(bundle_dir, tokenizer, max_len, max_per_t
                         tokens_per_device=64)
     expected_centered = {}
     for label, task_type, items, shots, delimiter, baseline in TASKS:
-        accuracy, margin = reference_accuracy(task_type, examples[label], table, position_bias)
+        accuracy, margin = reference_accuracy(task_type, examples[label],
+                                              lambda row: table[row] + position_bias[:len(row)])
         assert margin > 1e-3, "the fixture must not sit on a float32 tie"
         assert 0 < accuracy < 1, "the fixture must have right and wrong answers"
         # accuracies are counts / n in float64 on both sides (the margin above keeps every count the same)
@@ -315,32 +316,6 @@ def test_rows_too_long_for_their_continuation_are_an_error(bundle_dir, tokenizer
         evaluate_core(model, tokenizer, bundle_dir=bundle_dir, max_len=3)
 
 
-def reference_gpt_accuracy(task_type, examples, logits_of) -> tuple[float, float]:
-    """nanochat's scoring of (rows, spans, gold) examples with float64 logits (logits_of(row): (len, V)):
-    the accuracy, and the smallest decision margin (float32 on device must not flip a decision)."""
-    correct, margin = [], math.inf
-    for rows, spans, gold in examples:
-        mean_losses, predicted = [], True
-        for row, (s, e) in zip(rows, spans):
-            logits = logits_of(row)[s - 1: e - 1]
-            logz = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
-            mean_losses.append(np.mean(logz - logits[np.arange(e - s), row[s:e]]))
-            predicted &= bool(np.all(logits.argmax(1) == row[s:e]))
-            if task_type == "language_modeling":  # a hit needs every position right, a miss one clearly wrong
-                target = logits[np.arange(e - s), row[s:e]]
-                others = logits.copy()
-                others[np.arange(e - s), row[s:e]] = -np.inf
-                gaps = target - others.max(1)  # > 0: the target is the argmax
-                margin = min(margin, float(gaps.min() if np.all(gaps > 0) else -gaps.min()))
-        if task_type == "language_modeling":
-            correct.append(predicted)
-        else:
-            ranked = np.sort(mean_losses)
-            margin = min(margin, ranked[1] - ranked[0])
-            correct.append(int(np.argmin(mean_losses)) == gold)
-    return sum(correct) / len(correct), margin
-
-
 def test_core_end_to_end_on_a_tiny_gpt(bundle_dir, tokenizer):
     """A real GPT (every weight random, so no part is a no-op) against the float64 NumPy GPT of nanochat
     scored by nanochat's rules; the second run reuses the first's compiled programs."""
@@ -356,7 +331,7 @@ def test_core_end_to_end_on_a_tiny_gpt(bundle_dir, tokenizer):
     max_len = core_eval.default_max_len(model)
     for label, task_type, items, shots, delimiter, _ in TASKS:
         examples = reference_examples(task_type, items, shots, delimiter or " ", tokenizer, max_len, -1)
-        accuracy, margin = reference_gpt_accuracy(
+        accuracy, margin = reference_accuracy(
             task_type, examples, lambda row: np_forward(state_dict, config, np.asarray([row]))[0])
         # float32 against float64 logits of size ~15 (the soft cap): errors of ~1e-5; a smaller margin
         # could let rounding flip a decision, and the comparison would no longer be exact
