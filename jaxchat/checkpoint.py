@@ -36,16 +36,13 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxchat.checkpoint_meta import CHECKPOINTS_SUBDIR, TRAINING_META_KEYS, TrainingMeta, default_model_tag
 from jaxchat.common import get_base_dir, key_name, print0
 from jaxchat.gpt import GPT, GPTConfig, abstract_model
 from jaxchat.mesh import make_mesh, replicated
 
 LATEST = "latest"  # restore(step=LATEST): the newest complete checkpoint
-CHECKPOINTS_SUBDIR = "base_checkpoints"
-# What a training checkpoint's metadata must hold for an exact resume (checked when saving, so a
-# wiring mistake shows at the first save rather than at the resume).
-TRAINING_META_KEYS = ("val_bpb", "model_config", "user_config", "device_batch_size", "max_seq_len",
-                      "loop_state", "tokenizer")
+# TRAINING_META_KEYS: checked when saving, so a wiring mistake shows at the first save rather than at the resume
 # Which train flag sets each model_config field, for messages about a mismatch.
 CONFIG_FLAGS = {"n_layer": "--depth", "n_embd": "--depth and --aspect-ratio", "n_head": "--head-dim",
                 "n_kv_head": "--head-dim", "sequence_len": "--max-seq-len", "window_pattern": "--window-pattern",
@@ -73,7 +70,7 @@ class NoCheckpointError(CheckpointError, FileNotFoundError):
 
 def checkpoint_dir(model_tag: str | None, depth: int, base_dir: str | None = None) -> str:
     """`<base_dir>/base_checkpoints/<model_tag or d{depth}>`, as nanochat."""
-    return os.path.join(base_dir or get_base_dir(), CHECKPOINTS_SUBDIR, model_tag or f"d{depth}")
+    return os.path.join(base_dir or get_base_dir(), CHECKPOINTS_SUBDIR, model_tag or default_model_tag(depth))
 
 
 def parse_resume_step(text: str) -> int | str:
@@ -122,12 +119,13 @@ def tokenizer_info(tokenizer) -> dict:
 
 
 def training_meta(loop_meta: dict, model_config: GPTConfig, settings, tokenizer) -> dict:
-    """A training checkpoint's metadata (every key of TRAINING_META_KEYS): the loop's state (LoopState.to_meta),
+    """A training checkpoint's metadata (a TrainingMeta, as JSON): the loop's state (LoopState.to_meta),
     the model config, the run's settings (a jaxchat.settings.RunSettings: its command line as user_config,
     its recipe among them) and the tokenizer's identity."""
-    return {**loop_meta, "model_config": dataclasses.asdict(model_config), "user_config": settings.user_config(),
-            "device_batch_size": settings.device_batch_size, "max_seq_len": settings.max_seq_len,
-            "tokenizer": tokenizer_info(tokenizer)}
+    return dataclasses.asdict(TrainingMeta(
+        **loop_meta, model_config=dataclasses.asdict(model_config), user_config=settings.user_config(),
+        device_batch_size=settings.device_batch_size, max_seq_len=settings.max_seq_len,
+        tokenizer=tokenizer_info(tokenizer)))
 
 
 def check_compatible(meta: dict, model_config: GPTConfig | dict | None = None, tokenizer=None,

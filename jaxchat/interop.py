@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxchat.checkpoint_meta import nanochat_files
 from jaxchat.gpt import GPT, GPTConfig, abstract_model
 from jaxchat.tokenizer import Tokenizer
 
@@ -151,8 +152,7 @@ def save_nanochat_checkpoint(model: GPT, meta: dict, step: int, directory: str) 
     """Writes model_<step:06d>.pt and meta_<step:06d>.json into `directory` as nanochat's
     save_checkpoint does; returns their paths. Refuses to replace an existing model file."""
     torch = import_torch()
-    model_path = os.path.join(directory, f"model_{step:06d}.pt")
-    meta_path = os.path.join(directory, f"meta_{step:06d}.json")
+    model_path, meta_path = (os.path.join(directory, name) for name in nanochat_files(step))
     if os.path.exists(model_path):
         raise FileExistsError(f"{model_path} exists already: remove it, or export into another nanochat base dir")
     state_dict = {}

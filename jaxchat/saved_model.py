@@ -27,7 +27,8 @@ def load_saved_model(args: argparse.Namespace):
     maybe_initialize_distributed()  # before anything touches a device
     select_platform(args.device_type)
 
-    from jaxchat.checkpoint import CHECKPOINTS_SUBDIR, find_model_tag, load_model
+    from jaxchat.checkpoint import find_model_tag, load_model
+    from jaxchat.checkpoint_meta import CHECKPOINTS_SUBDIR
     from jaxchat.common import get_base_dir
     from jaxchat.tokenizer import get_tokenizer
 

@@ -16,6 +16,7 @@ import numpy as np
 import rustbpe
 import tiktoken
 
+from jaxchat.checkpoint_meta import TOKENIZER_SUBDIR
 from jaxchat.common import get_base_dir
 
 SPECIAL_TOKENS = [
@@ -185,7 +186,7 @@ def _read_ranks(path: str) -> dict[bytes, int]:
 
 
 def default_tokenizer_dir() -> str:
-    return os.path.join(get_base_dir(), "tokenizer")
+    return os.path.join(get_base_dir(), TOKENIZER_SUBDIR)
 
 
 def get_tokenizer(tokenizer_dir: str | None = None) -> Tokenizer:

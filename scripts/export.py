@@ -28,12 +28,13 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 
 import safetensors.numpy
 from flax import nnx
 
-from jaxchat.checkpoint import CHECKPOINTS_SUBDIR, CheckpointError, RunCheckpoints, find_model_tag, load_model, tokenizer_info
+from jaxchat.checkpoint import CheckpointError, RunCheckpoints, find_model_tag, load_model, tokenizer_info
+from jaxchat.checkpoint_meta import (CHECKPOINTS_SUBDIR, NANOCHAT_WEIGHTS_FILE, TOKENIZER_SUBDIR, TRAINING_META_KEYS,
+                                     default_model_tag, nanochat_files)
 from jaxchat.common import get_base_dir, quiet_jax_warnings
 from jaxchat.interop import (TOKEN_BYTES_PT, TOKENIZER_PICKLE, config_from_nanochat_meta, from_nanochat_state_dict,
                              load_nanochat_state_dict, load_nanochat_tokenizer, nanochat_meta, save_nanochat_checkpoint,
@@ -56,10 +57,10 @@ def export_to_nanochat(nanochat_dir: str, model_tag: str | None = None, step: in
                        base_dir: str | None = None) -> list[str]:
     """Writes a jaxchat checkpoint and its tokenizer into a nanochat base directory; returns the files written."""
     base_dir = base_dir or get_base_dir()
-    tokenizer = get_tokenizer(os.path.join(base_dir, "tokenizer"))
+    tokenizer = get_tokenizer(os.path.join(base_dir, TOKENIZER_SUBDIR))
     model_tag = model_tag or find_model_tag(os.path.join(base_dir, CHECKPOINTS_SUBDIR))
     model, meta = load_model(model_tag, step, base_dir, tokenizer=tokenizer)
-    tokenizer_dir = os.path.join(nanochat_dir, "tokenizer")
+    tokenizer_dir = os.path.join(nanochat_dir, TOKENIZER_SUBDIR)
     pickle_path = os.path.join(tokenizer_dir, TOKENIZER_PICKLE)
     existing = load_nanochat_tokenizer(pickle_path) if os.path.exists(pickle_path) else None
     keep_tokenizer = _holds_tokenizer(existing, tokenizer, tokenizer_dir,
@@ -81,8 +82,7 @@ def export_checkpoint(model_tag: str | None = None, step: int | None = None, out
     step = meta["step"]
     output = output or os.path.join(base_dir, "nanochat_export", model_tag)
     os.makedirs(output, exist_ok=True)
-    weights_path = os.path.join(output, f"model_{step:06d}.safetensors")
-    meta_path = os.path.join(output, f"meta_{step:06d}.json")
+    weights_path, meta_path = (os.path.join(output, name) for name in nanochat_files(step, "safetensors"))
     safetensors.numpy.save_file(to_nanochat_state_dict(model), weights_path)
     with open(meta_path, "w", encoding="utf-8") as f:
         json.dump(nanochat_meta(meta, step), f, indent=2)
@@ -90,16 +90,16 @@ def export_checkpoint(model_tag: str | None = None, step: int | None = None, out
 
 
 def _default_meta_path(weights_path: str) -> str:
-    match = re.search(r"model_(\d+)\.(pt|safetensors)$", os.path.basename(weights_path))
+    match = NANOCHAT_WEIGHTS_FILE.search(os.path.basename(weights_path))
     if not match:
         raise ValueError(f"cannot tell the step of {weights_path} (not model_<step>.pt or .safetensors): pass --meta")
-    return os.path.join(os.path.dirname(weights_path), f"meta_{match.group(1)}.json")
+    return os.path.join(os.path.dirname(weights_path), nanochat_files(int(match.group(1)))[1])
 
 
 def _default_tokenizer_path(weights_path: str) -> str | None:
     """tokenizer/tokenizer.pkl of the nanochat base dir holding base_checkpoints/<tag>/model_<step>.pt, if any."""
     nanochat_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(weights_path))))
-    path = os.path.join(nanochat_dir, "tokenizer", TOKENIZER_PICKLE)
+    path = os.path.join(nanochat_dir, TOKENIZER_SUBDIR, TOKENIZER_PICKLE)
     return path if os.path.exists(path) else None
 
 
@@ -118,7 +118,7 @@ def import_weights(weights_path: str, meta_path: str | None = None, tokenizer_pa
     model = from_nanochat_state_dict(config, load_nanochat_state_dict(weights_path))
     base_dir = base_dir or get_base_dir()
     tokenizer_path = tokenizer_path or _default_tokenizer_path(weights_path)
-    tokenizer_dir = os.path.join(base_dir, "tokenizer")
+    tokenizer_dir = os.path.join(base_dir, TOKENIZER_SUBDIR)
     tokenizer, keep_tokenizer = None, False
     if tokenizer_path:
         tokenizer = load_nanochat_tokenizer(tokenizer_path)
@@ -132,9 +132,8 @@ def import_weights(weights_path: str, meta_path: str | None = None, tokenizer_pa
         keep_tokenizer = _holds_tokenizer(existing, tokenizer, tokenizer_dir,
                                           "import into another base dir ($JAXCHAT_BASE_DIR), or move that tokenizer away")
 
-    directory = os.path.join(base_dir, CHECKPOINTS_SUBDIR, model_tag or f"d{config.n_layer}")
-    meta = {key: source_meta[key] for key in ("val_bpb", "user_config", "device_batch_size", "max_seq_len", "loop_state")
-            if key in source_meta}
+    directory = os.path.join(base_dir, CHECKPOINTS_SUBDIR, model_tag or default_model_tag(config.n_layer))
+    meta = {key: source_meta[key] for key in TRAINING_META_KEYS if key in source_meta and key not in ("model_config", "tokenizer")}
     meta.update(model_config=dataclasses.asdict(config), imported_from=os.path.abspath(weights_path),
                 tokenizer=tokenizer_info(tokenizer) if tokenizer is not None else None)
     with RunCheckpoints(directory, async_save=False) as checkpointer:

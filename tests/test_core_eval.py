@@ -26,7 +26,7 @@ from jaxchat.core_eval import (
     render_prompts_mc,
     render_prompts_schema,
 )
-from jaxchat.gpt import GPT, GPTConfig
+from jaxchat.gpt import GPTConfig
 from jaxchat.interop import to_nanochat_state_dict
 from jaxchat.tokenizer import Tokenizer
 from nanochat_numpy import np_forward, randomized
