@@ -203,13 +203,6 @@ class Optimizer:
     muon_momentum: Callable  # step -> Muon's momentum
     weight_decay: Callable  # step -> Muon's (scaled, decaying) weight decay
 
-    @classmethod
-    def of_transform(cls, tx: optax.GradientTransformation, params, mesh: Mesh | None = None) -> "Optimizer":
-        """Any optax transformation over the same view (e.g. optax.sgd in tests); no schedules."""
-        shards = mesh.shape[DATA_AXIS] if mesh is not None else 1
-        constant = lambda step: jnp.zeros(jnp.shape(step))  # noqa: E731
-        return cls(tx, ParamLayout(params, shards), {}, constant, constant, constant)
-
     def init(self, params):
         return self.tx.init(self.layout.to_view(params))
 
