@@ -126,7 +126,7 @@ class RunSettings:
     keep_checkpoints: int = setting(-1, "keep only the newest N checkpoints (-1 = all)", "JAX", nanochat=False)
     attention: str = setting("auto", "attention kernel (auto: cudnn on NVIDIA GPUs, xla elsewhere)", "JAX",
                              nanochat=False, choices=("auto", "cudnn", "xla"))
-    loader_workers: int = setting(4, "threads reading and tokenising data", "JAX", nanochat=False, positive=True)
+    loader_workers: int = setting(4, "threads reading and tokenising data", "JAX", nanochat=False)
     remat: str = setting("dots", "what each block keeps for the backward pass: everything, matmul outputs, or its "
                          "input only (dots: d20 at device batch 32 fits 80 GB)", "JAX", nanochat=False,
                          choices=tuple(REMAT_POLICIES))

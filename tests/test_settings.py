@@ -9,6 +9,7 @@ import re
 import pytest
 
 from jaxchat import settings as settings_module
+from jaxchat.dataloader import make_train_loader
 from jaxchat.gpt import GPTConfig
 from jaxchat.optim import setup_optimizer
 from jaxchat.settings import (DEFAULT_RECIPE, Recipe, RunSettings, SettingsError, cli_fields, flag_name,
@@ -72,8 +73,8 @@ def test_cpu_demo_flags_are_settings_and_its_scaled_rates_start_from_the_default
 
 
 def test_library_keyword_defaults_are_the_settings():
-    """setup_optimizer and GPTConfig.from_depth keep keyword defaults for library callers: they must be
-    the settings' (a test, so that a default changed in one place fails here rather than drift)."""
+    """setup_optimizer, GPTConfig.from_depth and make_train_loader keep keyword defaults for library callers:
+    they must be the settings' (a test, so that a default changed in one place fails here, not drifts)."""
     optimizer_defaults = {name: p.default for name, p in inspect.signature(setup_optimizer).parameters.items()
                           if p.default is not inspect.Parameter.empty and name not in ("mesh", "print_fn")}
     defaults = RunSettings()
@@ -83,6 +84,7 @@ def test_library_keyword_defaults_are_the_settings():
     depth_defaults = {name: p.default for name, p in inspect.signature(GPTConfig.from_depth).parameters.items()
                       if p.default is not inspect.Parameter.empty}
     assert depth_defaults == {name: getattr(defaults, name) for name in depth_defaults}
+    assert inspect.signature(make_train_loader).parameters["workers"].default == defaults.loader_workers
 
 
 @pytest.mark.parametrize("argv, message", [
