@@ -10,14 +10,26 @@ apply. Multi-host: start one process per host with JAX_COORDINATOR_ADDRESS, JAX_
 JAX_PROCESS_ID set (or under SLURM's srun); each process feeds the devices it owns.
 """
 
+from __future__ import annotations  # the library types below are for type checkers: the script imports lazily
+
 import dataclasses
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxchat.common import PlatformError, fail, select_platform
 from jaxchat.settings import RunSettings, SettingsError, parse_settings
+
+if TYPE_CHECKING:
+    import grain
+
+    from jaxchat.checkpoint import RunCheckpoints
+    from jaxchat.report import Report
+    from jaxchat.run import Run
+    from jaxchat.tokenizer import Tokenizer
+    from jaxchat.train_loop import LoopPolicy, LoopState, StepLogger
+    from jaxchat.trainer import TrainState
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,19 +62,19 @@ class Session:
     """What the loop and the final report use: built by setup()."""
 
     settings: RunSettings
-    run: Any  # jaxchat.run.Run
-    tokenizer: Any
-    token_bytes: Any
-    train_loader: Any
+    run: Run
+    tokenizer: Tokenizer
+    token_bytes: Any  # a device array: bytes of each token id
+    train_loader: grain.DatasetIterator
     val_loader: Callable  # () -> a fresh validation iterator
     eval_steps: int
-    checkpointer: Any  # jaxchat.checkpoint.RunCheckpoints
-    state: Any  # jaxchat.trainer.TrainState
-    loop: Any  # jaxchat.train_loop.LoopState
-    policy: Any  # jaxchat.train_loop.LoopPolicy
-    logger: Any  # jaxchat.train_loop.StepLogger
-    report: Any  # jaxchat.report.Report, on process 0 only
-    wandb_run: Any
+    checkpointer: RunCheckpoints
+    state: TrainState
+    loop: LoopState
+    policy: LoopPolicy
+    logger: StepLogger
+    report: Report | None  # on process 0 only
+    wandb_run: Any  # a wandb run, or DummyWandb
     core_results: dict = dataclasses.field(default_factory=dict)
 
 
@@ -77,7 +89,7 @@ def train(settings: RunSettings, gpu_defaults_set: list[str] | None = None) -> b
     return stopped
 
 
-def build(settings: RunSettings, gpu_defaults_set: list[str] | None):
+def build(settings: RunSettings, gpu_defaults_set: list[str] | None) -> tuple[Run, Tokenizer, Any]:
     """The run (jaxchat.run: mesh, batch arithmetic, horizon, optimizer, state shapes), its tokenizer, and
     the CORE bundle if CORE runs during training, each failing before any training compute."""
     import jax
@@ -107,7 +119,7 @@ def build(settings: RunSettings, gpu_defaults_set: list[str] | None):
     return run, tokenizer, token_bytes
 
 
-def make_loaders(settings: RunSettings, run, tokenizer):
+def make_loaders(settings: RunSettings, run: Run, tokenizer: Tokenizer) -> tuple[grain.DatasetIterator, Callable, int]:
     """This process's share of the data: (train loader, val loader factory, eval steps)."""
     import jax
 
