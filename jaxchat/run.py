@@ -93,7 +93,8 @@ def training_horizon(settings: RunSettings, num_params: int, flops_per_token: in
         num_iterations = round(settings.target_flops / (flops_per_token * settings.total_batch_size))
         say(f"Calculated number of iterations from target FLOPs: {num_iterations:,}")
     else:
-        num_iterations = settings.target_param_data_ratio * num_params // settings.total_batch_size
+        # int(): a recipe's ratio may be a float (nanochat 92d63d4's 12.0); bdcc030's int gives the same int
+        num_iterations = int(settings.target_param_data_ratio * num_params // settings.total_batch_size)
         say(f"Calculated number of iterations from target data:param ratio: {num_iterations:,}")
     if num_iterations < 1:
         raise SettingsError(f"the horizon gives {num_iterations} iterations: raise --target-flops / "
