@@ -27,6 +27,18 @@ class SettingsError(ValueError):
     """A setting that cannot work; the message says which flag to change and how."""
 
 
+# Settings where -1 means off (num_devices, keep_checkpoints: all), as nanochat's flags say; any other
+# value below 1 is a typo (`--num-iterations -5` or 0 would otherwise fall through to another horizon).
+OFF_OR_AT_LEAST_ONE = ("num_iterations", "target_flops", "target_param_data_ratio", "eval_every", "core_metric_every",
+                       "sample_every", "save_every", "keep_checkpoints", "num_devices")
+
+
+def _check_off_or_at_least_one(name: str, value: float) -> None:
+    if value != -1 and value < 1:
+        meaning = "all" if name in ("num_devices", "keep_checkpoints") else "off"
+        raise SettingsError(f"--{name.replace('_', '-')} {value}: -1 means {meaning}, any other value must be at least 1")
+
+
 @dataclasses.dataclass(frozen=True)
 class RunSettings:
     """The settings that shape a run: base_train.py's flags (same names) and jaxchat's own."""
@@ -59,6 +71,12 @@ class RunSettings:
     remat: str = "dots"  # a key of gpt.REMAT_POLICIES
     loss_chunk_len: int = 128
     compute_dtype: str | None = None  # None: bfloat16 on accelerators, float32 on CPU
+    # the loop's cadences (scripts.train reads them; they shape no array)
+    eval_every: int = 250
+    core_metric_every: int = 2000
+    sample_every: int = 2000
+    save_every: int = -1
+    keep_checkpoints: int = -1
 
     @classmethod
     def from_args(cls, args) -> "RunSettings":
@@ -67,13 +85,15 @@ class RunSettings:
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
     def check(self) -> None:
+        for name in OFF_OR_AT_LEAST_ONE:
+            _check_off_or_at_least_one(name, getattr(self, name))
         for name in ("depth", "aspect_ratio", "head_dim", "max_seq_len", "device_batch_size", "total_batch_size",
                      "loss_chunk_len"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
         if not self.window_pattern or any(c not in "SL" for c in self.window_pattern.upper()):
             raise SettingsError(f"--window-pattern {self.window_pattern!r} must be made of S (half context) and L (full context)")
-        if self.num_iterations <= 0 and self.target_flops <= 0 and self.target_param_data_ratio <= 0:
+        if self.num_iterations == self.target_flops == self.target_param_data_ratio == -1:
             raise SettingsError("no training horizon: set --num-iterations, --target-flops or --target-param-data-ratio")
         if self.remat not in REMAT_POLICIES:
             raise SettingsError(f"--remat {self.remat!r}: use one of {', '.join(REMAT_POLICIES)}")

@@ -20,6 +20,11 @@ SMALL = ["--depth=2", "--max-seq-len=128", "--device-batch-size=4", "--total-bat
     (["--num-devices=99"], "99 devices requested but only 8 exist"),
     (["--window-pattern=SXL"], "must be made of S"),
     (["--num-iterations=-1", "--target-param-data-ratio=-1"], "no training horizon"),
+    # nanochat's -1 is "off"; another value below 1 is a typo, not a way to fall through to another horizon
+    (["--num-iterations=-5"], "--num-iterations -5: -1 means off, any other value must be at least 1"),
+    (["--num-iterations=0"], "--num-iterations 0: -1 means off"),
+    (["--save-every=0"], "--save-every 0: -1 means off"),
+    (["--num-devices=-2"], "--num-devices -2: -1 means all"),
 ])
 def test_bad_input_stops_with_a_message(tmp_path, monkeypatch, capsys, flags, message):
     """In this process (main(argv) is the whole script): each must exit with status 2 and a message on
