@@ -131,6 +131,11 @@ class DummyWandb:
 VERBOSE_ENV = "JAXCHAT_VERBOSE"
 
 
+def _from_orbax(record: logging.LogRecord) -> bool:
+    """A logging filter: False (drop) for the records Orbax logs through absl."""
+    return f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
 def quiet_jax_warnings() -> None:
     """A script prints its own lines only: the libraries' log warnings (Orbax's through absl, e.g.
     "read_only=True, setting save_interval_steps=0", JAX's, XLA's) are hidden and their errors still
@@ -140,6 +145,11 @@ def quiet_jax_warnings() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     for name in ("absl", "jax", "orbax"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    # Orbax logs a failed save's traceback from each of its threads before it raises the error to the
+    # caller, where jaxchat.checkpoint turns it into one line (SaveFailedError, IncompleteCheckpointError).
+    absl_logger = logging.getLogger("absl")
+    if _from_orbax not in absl_logger.filters:
+        absl_logger.addFilter(_from_orbax)
     # Donating buffers that XLA cannot reuse (e.g. on CPU) is harmless.
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 

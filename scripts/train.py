@@ -61,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-every", type=int, default=-1, help="save checkpoints every N steps (-1 = only at end)")
     # Output
     parser.add_argument("--model-tag", type=str, default=None, help="override model tag for checkpoint directory name")
+    parser.add_argument("--overwrite", action="store_true", help="replace the checkpoints of an earlier run under this model tag (deleted once this run's first checkpoint is complete)")
     # JAX only
     jax_group = parser.add_argument_group("JAX")
     jax_group.add_argument("--num-devices", type=int, default=-1, help="devices in the mesh, over all processes (-1 = all)")
@@ -72,7 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     jax_group.add_argument("--loader-workers", type=int, default=4, help="threads reading and tokenising data")
     jax_group.add_argument("--remat", type=str, default="dots", choices=["none", "dots", "block"], help="what each block keeps for the backward pass: everything, matmul outputs, or its input only (dots: d20 at device batch 32 fits 80 GB)")
     jax_group.add_argument("--loss-chunk-len", type=int, default=128, help="positions per chunk of the loss head (float32 logits of one chunk at a time)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.overwrite and args.resume_from_step != -1:
+        parser.error("--overwrite starts a new run and --resume-from-step continues one: pass one of them")
+    return args
 
 
 @dataclasses.dataclass
@@ -100,6 +104,9 @@ EMA_BETA = 0.9  # smoothing of the printed training loss
 # Exit status of a run stopped by SIGTERM/SIGINT after saving its checkpoint (EX_TEMPFAIL of sysexits.h):
 # the run is not finished; the same command with --resume-from-step=latest carries it on. 0: finished.
 EXIT_STOPPED = 75
+# Exit status of a run whose checkpoint could not be written (no space, permission lost; EX_IOERR): the
+# previous complete step is intact, and --resume-from-step=latest carries on once the disk is fixed.
+EXIT_SAVE_FAILED = 74
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -113,11 +120,14 @@ def main(argv: list[str] | None = None) -> None:
 
     maybe_initialize_distributed()  # before anything touches a device
     select_platform(args.device_type)
-    from jaxchat.checkpoint import CheckpointError
+    from jaxchat.checkpoint import CheckpointError, SaveFailedError
     from jaxchat.run import SettingsError
 
     try:
         stopped = train(args, gpu_defaults_set)
+    except SaveFailedError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_SAVE_FAILED)
     except (SettingsError, CheckpointError) as e:  # the library's messages say what to do
         fail(str(e))
     if stopped:
@@ -186,6 +196,8 @@ def train(args: argparse.Namespace, gpu_defaults_set: list[str] | None = None) -
         # a requeued job's first start: 'latest' with nothing saved yet means a fresh run
         print0(f"No checkpoint in {run_checkpoint_dir} yet: starting from scratch")
         resuming = False
+    if not resuming:
+        checkpointer.start_fresh(overwrite=args.overwrite)  # refuses where an earlier run's checkpoints are
 
     # Data: this process's share, (grad_accum, rows of its devices, T) per step
     local_rows = settings.device_batch_size * sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
