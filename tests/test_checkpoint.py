@@ -764,14 +764,42 @@ def run_train(start_train, base_dir, *flags) -> tuple[str, list]:
     return out, curve_rows(base_dir)
 
 
+def run_train_and_a_second_start(start_train, base_dir, *flags) -> tuple[str, list, dict]:
+    """run_train, with the same command started a second time while the first is at step 2 (holding
+    its run directory): the first's output and curve, and {returncode, output, seconds, first_pid} of the
+    second. The first is stopped (SIGSTOP) while the second runs, so that it is surely mid-run however
+    slow the second's start; a second run that waited for the lock would wait for ever."""
+    first = start_train(base_dir, *TRAIN_FLAGS, *flags)
+    lines = []
+    for line in first.stdout:
+        lines.append(line)
+        if line.startswith("step 00002/"):
+            break
+    first.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        second = start_train(base_dir, *TRAIN_FLAGS, *flags)
+        second_out, _ = second.communicate(timeout=120)
+        second_start = {"returncode": second.returncode, "output": second_out, "seconds": time.monotonic() - started,
+                        "first_pid": first.pid}
+    finally:
+        first.send_signal(signal.SIGCONT)
+    out = "".join(lines) + first.communicate(timeout=300)[0]
+    assert first.returncode == 0, out[-3000:]
+    return out, curve_rows(base_dir), second_start
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, make_base_dir, start_train):
     """{name: (output, curve after it)} for 'whole' (20 steps, samples at the end), 'stopped' (SIGTERM once
-    step 3 is printed) and 'resumed' (its requeued start), in one base dir (so one report curve); and
-    'stopped_saved', the steps the stopped run saved."""
+    step 3 is printed) and 'resumed' (its requeued start), in one base dir (so one report curve);
+    'stopped_saved', the steps the stopped run saved; 'second_start', the same command as 'whole' started
+    while 'whole' was at step 2."""
     base = make_base_dir(tmp_path_factory.mktemp("train_base"))
     report.get_report(str(base)).append_curve([(500, 1.0, 1.0)])  # an older run's curve: a fresh run starts anew
-    result = {"base": base, "whole": run_train(start_train, base, "--model-tag=whole", f"--sample-every={TRAIN_STEPS}")}
+    *whole, second_start = run_train_and_a_second_start(start_train, base, "--model-tag=whole",
+                                                        f"--sample-every={TRAIN_STEPS}")
+    result = {"base": base, "whole": tuple(whole), "second_start": second_start}
 
     process = start_train(base, *TRAIN_FLAGS, "--model-tag=requeued", "--resume-from-step=latest")
     lines = []
@@ -783,7 +811,8 @@ def runs(tmp_path_factory, make_base_dir, start_train):
     out = "".join(lines) + process.communicate(timeout=300)[0]
     assert process.returncode == EXIT_STOPPED == 75, out[-3000:]  # saved, not finished: requeue
     result["stopped"] = out, curve_rows(base)
-    result["stopped_saved"] = sorted(int(step) for step in os.listdir(base / "base_checkpoints" / "requeued"))
+    result["stopped_saved"] = sorted(int(name) for name in os.listdir(base / "base_checkpoints" / "requeued")
+                                     if name.isdigit())  # (beside the steps: run.lock)
     result["resumed"] = run_train(start_train, base, "--model-tag=requeued", "--resume-from-step=latest")
     return result
 
@@ -827,9 +856,25 @@ def test_a_run_prints_base_train_figures_saves_and_samples(runs):
     assert re.search(r"mfu: n/a \| epoch: \d+ \| total time: ", out)  # no peak FLOP/s known for a CPU
     assert [int(s) for s, _ in STEP_LINE.findall(out)] == list(range(TRAIN_STEPS))
     assert [int(s) for s, _ in VAL_LINE.findall(out)] == [0, 10, 20]
-    assert sorted(os.listdir(runs["base"] / "base_checkpoints" / "whole"), key=int) == ["8", "16", "20"]
+    assert sorted(os.listdir(runs["base"] / "base_checkpoints" / "whole")) == ["16", "20", "8", "run.lock"]
     samples = [line for line in out.splitlines() if line.startswith("<|bos|>")]  # --sample-every, at the end
     assert len(samples) == 7 and samples[0].startswith("<|bos|>The capital of France is")
+
+
+@pytest.mark.slow
+def test_a_second_run_on_a_live_runs_directory_is_refused_at_once(runs):
+    """The second start of 'whole' stops with one line naming the first; the first is untouched: its
+    losses equal the requeued run's exactly and its checkpoints are all there (the tests beside this one),
+    and its report curve is its own (test_the_report_curve_starts_anew...)."""
+    second = runs["second_start"]
+    assert second["returncode"] == 2, second["output"][-3000:]
+    run_dir = runs["base"] / "base_checkpoints" / "whole"
+    assert second["output"].splitlines()[-1].startswith(
+        f"error: {run_dir} is in use by another run (host {socket.gethostname()}, pid {second['first_pid']}, started ")
+    assert "Traceback" not in second["output"] and "step 0" not in second["output"]
+    # its own start-up (imports, the abstract model) on a loaded 2-core machine takes seconds to tens of seconds;
+    # the refusal itself does not wait
+    assert second["seconds"] < 60
 
 
 def test_sigterm_saves_and_the_requeued_run_finishes_exactly_the_same(runs):
