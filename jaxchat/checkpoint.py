@@ -520,7 +520,8 @@ class RunCheckpoints:
                 print0(f"Resuming from step {candidate}, the newest complete checkpoint (skipped {skipped})")
             return restored["params"], restored.get("opt_state"), restored["meta"]
         raise NoCheckpointError(f"No complete checkpoint in {self.directory}: every step ({skipped}) is damaged "
-                                "(kept there, not deleted)")
+                                "(kept there, not deleted); to train anew, pick another --model-tag, or pass "
+                                "--overwrite instead of --resume-from-step")
 
     def _restore_step(self, step: int, targets: dict, data_iter, model_config, tokenizer) -> dict:
         where = f"checkpoint step {step} in {self.directory}"

@@ -150,6 +150,15 @@ def quiet_jax_warnings() -> None:
     absl_logger = logging.getLogger("absl")
     if _from_orbax not in absl_logger.filters:
         absl_logger.addFilter(_from_orbax)
+    sys.unraisablehook = _unraisable_unless_closed_loop
+
+
+def _unraisable_unless_closed_loop(unraisable) -> None:
+    """After a failed save, tensorstore still calls back into the asyncio loop Orbax has closed, once per
+    write in flight: a traceback each, of no use (the error itself is raised, and reported in one line)."""
+    if isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed":
+        return
+    sys.__unraisablehook__(unraisable)
     # Donating buffers that XLA cannot reuse (e.g. on CPU) is harmless.
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 

@@ -1,10 +1,13 @@
-"""Progress display and the peak FLOP/s table."""
+"""Progress display, the peak FLOP/s table, and the libraries kept quiet."""
 
 import io
+import logging
+import os
+import sys
 
 import pytest
 
-from jaxchat.common import Progress, eta_text, peak_flops_per_device
+from jaxchat.common import VERBOSE_ENV, Progress, eta_text, peak_flops_per_device, quiet_jax_warnings
 
 
 class FakeDevice:
@@ -39,3 +42,32 @@ def test_eta_text():
                                          ("cpu", None)])
 def test_peak_flops_table(kind, flops):
     assert peak_flops_per_device(FakeDevice(kind)) == flops
+
+
+def test_quiet_libraries_leave_one_line_per_error(monkeypatch, capsys):
+    """A script's own error line stands alone: Orbax's logged copies of an error it raises, and the
+    'Event loop is closed' tracebacks of tensorstore's late callbacks after a failed save, are dropped;
+    any other unraisable error and jaxchat's own logging still show."""
+    monkeypatch.delenv(VERBOSE_ENV, raising=False)
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)  # restored after the test
+    absl_logger = logging.getLogger("absl")
+    monkeypatch.setattr(absl_logger, "filters", list(absl_logger.filters))
+    quiet_jax_warnings()
+
+    def record(pathname: str) -> logging.LogRecord:
+        return logging.LogRecord("absl", logging.ERROR, pathname, 1, "a save failed", None, None)
+
+    assert not absl_logger.filter(record(os.path.join("site-packages", "orbax", "checkpoint", "manager.py")))
+    assert absl_logger.filter(record(os.path.join("site-packages", "jaxchat", "checkpoint.py")))
+
+    class RaisesWhenCollected:  # an unraisable error, as a callback into a closed loop makes one
+        def __init__(self, error: BaseException):
+            self.error = error
+
+        def __del__(self):
+            raise self.error
+
+    RaisesWhenCollected(RuntimeError("Event loop is closed"))
+    assert capsys.readouterr().err == ""
+    RaisesWhenCollected(ValueError("something else"))
+    assert "ValueError: something else" in capsys.readouterr().err
