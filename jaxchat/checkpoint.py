@@ -330,10 +330,10 @@ class RunCheckpoints:
             args["opt_state"] = ocp.args.StandardSave(opt_state)
         if data_iter is not None:
             args["data"] = grain.checkpoint.CheckpointSave(data_iter)
-        try:
-            self._manager.save(step, args=ocp.args.Composite(**args), force=True)  # waits for the previous save
+        try:  # (the previous save is complete: _clear_steps_from waited for it)
+            self._manager.save(step, args=ocp.args.Composite(**args), force=True)
         except Exception as e:  # noqa: BLE001 -- whatever the write met (ENOSPC is tensorstore's ValueError)
-            raise self._save_failed(e, self._saving if self._saving is not None else step) from e
+            raise self._save_failed(e, step) from e
         self._saving = step
         if self._replaced_dir is not None:
             self._delete_replaced(step)
@@ -368,7 +368,7 @@ class RunCheckpoints:
         print0(f"Deleted the replaced checkpoints in {self._replaced_dir}: this run's step {step} is complete")
         self._replaced_dir = None
 
-    def _save_failed(self, error: Exception, step: int) -> SaveFailedError:
+    def _save_failed(self, error: Exception, step: int | None) -> SaveFailedError:
         steps = [int(name) for name in os.listdir(self.directory) if name.isdigit()]  # complete steps only
         newest = f"step {max(steps)} stays the newest complete checkpoint" if steps else "no complete checkpoint is left"
         return SaveFailedError(
@@ -422,9 +422,9 @@ class RunCheckpoints:
                     f"{replaced_dir} holds the checkpoints of a run that an --overwrite run replaced before saving "
                     f"any: pass --overwrite to replace them, or move them back into {self.directory} to resume them")
             return
-        if jax.process_index() == 0:
+        if jax.process_index() == 0 and steps:
+            os.makedirs(replaced_dir, exist_ok=True)
             for s in steps:
-                os.makedirs(replaced_dir, exist_ok=True)
                 os.rename(os.path.join(self.directory, str(s)), _unused_path(os.path.join(replaced_dir, str(s))))
         _sync("jaxchat_checkpoint_set_aside")
         self._manager.reload()

@@ -153,6 +153,8 @@ def import_weights(weights_path: str, meta_path: str | None = None, tokenizer_pa
                                           "import into another base dir ($JAXCHAT_BASE_DIR), or move that tokenizer away")
 
     directory = os.path.join(base_dir, CHECKPOINTS_SUBDIR, model_tag or f"d{config.n_layer}")
+    for target in [directory] + ([tokenizer_dir] if tokenizer is not None and not keep_tokenizer else []):
+        check_writable_dir(target)  # an unwritable place stops the import here, before the tokenizer is written
     meta = {key: source_meta[key] for key in ("val_bpb", "user_config", "device_batch_size", "max_seq_len", "loop_state")
             if key in source_meta}
     meta.update(model_config=dataclasses.asdict(config), imported_from=os.path.abspath(weights_path),

@@ -413,6 +413,7 @@ def test_a_second_writer_is_refused_at_once_naming_the_holder(tmp_path):
     assert not live_save.exists()
 
 
+@pytest.mark.slow
 def test_the_lock_goes_with_the_process_that_held_it(tmp_path):
     """flock is released by the kernel however the holder ends: a killed run leaves no stale lock."""
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from jaxchat.run_lock import acquire_run_lock; "
@@ -847,6 +848,7 @@ def assert_same_step(dir_a: str, dir_b: str) -> None:
         assert meta_a["loop_state"][key] == meta_b["loop_state"][key], key
 
 
+@pytest.mark.slow
 def test_a_run_prints_base_train_figures_saves_and_samples(runs):
     out, _ = runs["whole"]
     for needle in ("Number of parameters:", "Estimated FLOPs per token:", "Total batch size 512 => gradient "
@@ -877,6 +879,7 @@ def test_a_second_run_on_a_live_runs_directory_is_refused_at_once(runs):
     assert second["seconds"] < 60
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_the_requeued_run_finishes_exactly_the_same(runs):
     checkpoints = runs["base"] / "base_checkpoints"
     whole = dict(STEP_LINE.findall(runs["whole"][0]))
@@ -895,6 +898,7 @@ def test_sigterm_saves_and_the_requeued_run_finishes_exactly_the_same(runs):
         assert_same_step(str(checkpoints / "requeued" / step), str(checkpoints / "whole" / step))
 
 
+@pytest.mark.slow
 def test_the_report_curve_starts_anew_and_a_resumed_run_carries_it_on(runs):
     whole_out, whole_curve = runs["whole"]
     assert whole_curve == printed_curve(whole_out)  # the older run's row is gone; values as printed

@@ -30,6 +30,7 @@ def figure(pattern: str, text: str) -> str:
     return match.group(1)
 
 
+@pytest.mark.slow
 def test_every_stage_runs_and_the_model_learns(demo):
     base, out = demo
     assert "Traceback" not in out
@@ -50,6 +51,7 @@ def test_every_stage_runs_and_the_model_learns(demo):
     assert len(re.findall(r"^-{80}\n(The module.*)$", out, re.M)) == 3  # scripts.sample's three samples
 
 
+@pytest.mark.slow
 def test_report_has_the_curve_and_the_run_figures(demo):
     base, out = demo
     report_dir = base / "report"

@@ -444,6 +444,7 @@ def test_an_import_of_garbage_says_what_it_is(exported, tmp_path):
         import_weights(str(tmp_path / "model_000012.pt"), meta_path=str(tmp_path / "m.json"))
 
 
+@pytest.mark.slow
 def test_command_line_prints_its_own_lines_only(exported, tmp_path, capsys, monkeypatch):
     _, nanochat_dir, _ = exported
     monkeypatch.setenv("JAXCHAT_BASE_DIR", str(tmp_path / "jaxchat"))

@@ -79,12 +79,14 @@ def run_to_its_error(start_train, base_dir, *flags, **env) -> str:
     return out
 
 
+@pytest.mark.slow
 def test_a_gpu_asked_for_where_there_is_none(tmp_path, start_train):
     """In a process of its own: the GPU defaults are set before JAX starts, which this one has."""
     out = run_to_its_error(start_train, tmp_path, "--device-type=cuda")
     assert "no such device is present" in out, out[-2000:]
 
 
+@pytest.mark.slow
 def test_unreachable_core_bundle_stops_before_training(tmp_path, start_train, free_port):
     """CORE during training needs the eval bundle: without it the run stops at the start, not hours later."""
     port = free_port()  # nothing listens there: the download is refused at once
@@ -107,6 +109,7 @@ def train_two_processes(base_dir, start_train, port, *flags) -> str:
     return outputs[0]
 
 
+@pytest.mark.slow
 def test_two_hosts_train_save_and_resume_exactly(tmp_path, make_base_dir, start_train, free_port):
     """Each process reads its own share of the data and saves its own loader state; resuming both from
     the middle (a new pair of processes, which loads the first pair's compiled programs from the XLA
