@@ -11,6 +11,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -479,22 +480,23 @@ def test_overwrite_replaces_the_old_steps_only_once_the_new_one_is_complete(tmp_
 
 
 def test_overwrite_keeps_the_old_steps_while_the_new_save_is_written(tmp_path, monkeypatch):
-    """The old steps are deleted after Orbax reports the new step complete, never before."""
+    """The save is asynchronous: the old steps are deleted once Orbax has renamed the new step into place
+    (complete), never while it is still a temporary directory."""
     params, opt_state = trained_state(steps=0)
     with ckpt.RunCheckpoints(str(tmp_path)) as earlier:
         earlier.save(10, params, opt_state, None, training_meta())
-    seen = []
-    with ckpt.RunCheckpoints(str(tmp_path)) as run:
+    at_deletion = []
+    real_rmtree = shutil.rmtree
+
+    def rmtree_and_look(path, *args, **kwargs):
+        at_deletion.append((str(path), sorted(os.listdir(tmp_path))))
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree_and_look)
+    with ckpt.RunCheckpoints(str(tmp_path), async_save=True) as run:
         run.start_fresh(overwrite=True)
-        finish = run._manager.wait_until_finished
-
-        def wait_and_look():
-            seen.append(os.path.isdir(tmp_path / ckpt.REPLACED_SUBDIR / "10"))  # before the new step is complete
-            finish()
-
-        monkeypatch.setattr(run._manager, "wait_until_finished", wait_and_look)
         run.save(10, params, opt_state, None, training_meta())
-    assert seen and seen[0] is True
+    assert at_deletion == [(str(tmp_path / ckpt.REPLACED_SUBDIR), ["10", ckpt.REPLACED_SUBDIR, "run.lock"])]
     assert not (tmp_path / ckpt.REPLACED_SUBDIR).exists()
 
 
