@@ -13,10 +13,19 @@ Saving is asynchronous: `save` returns once the arrays are copied off the device
 step may donate them) and the data iterator's state is written; Orbax writes the rest from a
 background thread while training goes on. `wait` blocks until it is on disk; `close` waits too.
 
+One writer per run directory: a RunCheckpoints that writes holds the directory's lock (jaxchat.run_lock,
+taken by process 0) from its start to close(), so a second run on the same directory stops at once,
+and the start-up removal of unfinished saves never touches a live run's.
+
 Orbax writes a step into `<step>.orbax-checkpoint-tmp-<time>` and renames it when complete, so an
-interrupted save never looks like a step. A step damaged afterwards (files deleted or truncated)
-is caught when its items, metadata or arrays cannot be read: resuming from "latest" then takes
-the newest step that restores completely and says which it skipped.
+interrupted or failed save (a full disk) never looks like a step: the previous one stays the newest.
+A step damaged afterwards (files deleted or truncated) is caught when its items, metadata or arrays
+cannot be read: resuming from "latest" then takes the newest step that restores completely and says
+which it skipped. A damaged step is never deleted: when a resumed run reaches its number again it
+is moved into `damaged/`, where it can still be looked at.
+
+A new run where checkpoints exist is refused (start_fresh) unless told to overwrite them; then they
+are moved into `replaced/` and deleted only once the new run's first checkpoint is complete.
 
 Restoring takes target shardings: a run saved on 8 devices resumes on 1, 2 or 4, replicated or
 FSDP, with the same values (Orbax reads each target shard from the saved chunks).
@@ -34,12 +43,14 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jaxchat.checkpoint_meta import CHECKPOINTS_SUBDIR, TRAINING_META_KEYS, TrainingMeta, default_model_tag
 from jaxchat.common import get_base_dir, key_name, print0
 from jaxchat.gpt import GPT, GPTConfig, abstract_model
 from jaxchat.mesh import make_mesh, replicated
+from jaxchat.run_lock import RunLock, RunLockedError, acquire_run_lock
 
 LATEST = "latest"  # restore(step=LATEST): the newest complete checkpoint
 # TRAINING_META_KEYS: checked when saving, so a wiring mistake shows at the first save rather than at the resume
@@ -48,6 +59,9 @@ CONFIG_FLAGS = {"n_layer": "--depth", "n_embd": "--depth and --aspect-ratio", "n
                 "n_kv_head": "--head-dim", "sequence_len": "--max-seq-len", "window_pattern": "--window-pattern",
                 "vocab_size": "the tokenizer"}
 _TMP_STEP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
+# Folders of a run directory beside its steps (names that are not step numbers: Orbax ignores them).
+REPLACED_SUBDIR = "replaced"  # an earlier run's steps, until an --overwrite run's first checkpoint is complete
+DAMAGED_SUBDIR = "damaged"  # damaged steps a resumed run has saved over (kept as evidence, never deleted)
 
 
 class CheckpointError(Exception):
@@ -64,6 +78,10 @@ class IncompleteCheckpointError(CheckpointError, ValueError):
 
 class NoCheckpointError(CheckpointError, FileNotFoundError):
     """No (complete) checkpoint where one was asked for."""
+
+
+class SaveFailedError(CheckpointError):
+    """Writing a step failed (no space, permission lost): the previous complete step is still the newest."""
 
 
 # ---- paths, flags and checks before training ----------------------------------------------------
@@ -201,6 +219,51 @@ def _describe_differences(saved: dict, wanted: dict, limit: int = 5) -> str:
     return "\n  ".join(lines[:limit]) + more
 
 
+def _reason(error: BaseException) -> str:
+    """One line for an error: its innermost cause (Orbax wraps tensorstore's ValueError, which says what
+    is wrong with which file, in a bare Exception whose message is a page of TensorStore spec)."""
+    while error.__cause__ is not None or (error.__context__ is not None and not error.__suppress_context__):
+        error = error.__cause__ or error.__context__
+    lines = str(error).strip().splitlines()
+    text = lines[0] if lines else ""
+    if len(text) > 300:  # tensorstore puts the path first and the reason ("No space left on device") last
+        text = text[:140] + " ... " + text[-150:]
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _sync(name: str) -> None:
+    """All processes wait here (after process 0 changed the run directory)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+def _lock_run_directory(directory: str) -> RunLock | None:
+    """Process 0 takes the run directory's lock; every process learns whether it got it, so that all stop
+    together (rather than the others waiting at Orbax's first barrier). Raises CheckpointError if refused."""
+    lock, refusal = None, None
+    if jax.process_index() == 0:
+        try:
+            lock = acquire_run_lock(directory)
+        except RunLockedError as e:
+            refusal = str(e)
+    if jax.process_count() > 1:
+        refused = bool(multihost_utils.broadcast_one_to_all(np.int32(refusal is not None)))
+        if refused and refusal is None:
+            refusal = f"{directory} is in use by another run (process 0's message names it)"
+    if refusal:
+        raise CheckpointError(refusal)
+    return lock
+
+
+def _unused_path(path: str) -> str:
+    """path, or path-2, path-3, ... whichever does not exist yet."""
+    candidate, n = path, 1
+    while os.path.exists(candidate):
+        n += 1
+        candidate = f"{path}-{n}"
+    return candidate
+
+
 # ---- the checkpoint manager ---------------------------------------------------------------------
 
 class RunCheckpoints:
@@ -217,6 +280,8 @@ class RunCheckpoints:
         ckpt.close()
 
     Every process calls every method (Orbax coordinates the writes); messages print on process 0.
+    Unless read_only, it holds the directory's lock until close(): CheckpointError at once if another
+    process holds it.
     """
 
     def __init__(self, directory: str, max_to_keep: int | None = None, async_save: bool = True,
@@ -226,12 +291,18 @@ class RunCheckpoints:
         self.directory = os.path.abspath(directory)
         if read_only and not os.path.isdir(self.directory):
             raise NoCheckpointError(f"No checkpoints at {self.directory}: train a model first (python -m scripts.train)")
+        # before anything in the directory is removed (Orbax's start-up cleaning below)
+        self._lock = None if read_only else _lock_run_directory(self.directory)
+        self._damaged: set[int] = set()  # steps restore found unreadable
+        self._replaced_dir: str | None = None  # set aside by start_fresh(overwrite=True), until the first save
+        self._saving: int | None = None  # the step of the save in flight
         unfinished = sorted(name for name in os.listdir(self.directory) if _TMP_STEP.match(name)) \
             if os.path.isdir(self.directory) else []
         if unfinished:
-            action = "ignoring" if read_only else "removing"
-            print0(f"Checkpoints in {self.directory}: {action} unfinished save(s) {', '.join(unfinished)} "
-                   "(interrupted while being written)")
+            # under the lock no live run writes here; a reader leaves them alone (a live run may be writing them)
+            action = "ignoring unfinished save(s) {} (interrupted, or being written)" if read_only else \
+                "removing unfinished save(s) {} (interrupted while being written)"
+            print0(f"Checkpoints in {self.directory}: {action.format(', '.join(unfinished))}")
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             enable_async_checkpointing=async_save,
@@ -250,7 +321,9 @@ class RunCheckpoints:
         (an imported model); a training checkpoint needs every key of TRAINING_META_KEYS in meta.
         The data iterator's state is taken now, so save before drawing the next batch.
         Steps >= `step` already on disk (from a run this one resumed before they were written) are
-        replaced: their states would no longer follow from this run's."""
+        replaced: their states would no longer follow from this run's; a damaged one is moved into
+        damaged/ instead. SaveFailedError if writing fails (here or, for the step before, in Orbax's
+        background thread)."""
         items = ["params"] + (["opt_state"] if opt_state is not None else []) + (["data"] if data_iter is not None else [])
         required = TRAINING_META_KEYS if opt_state is not None else ("model_config",)
         missing = [key for key in required if key not in meta]
@@ -258,25 +331,77 @@ class RunCheckpoints:
             raise ValueError(f"checkpoint metadata lacks {missing}; a resumable checkpoint needs {list(required)} "
                              "('tokenizer': tokenizer_info(tokenizer))")
         meta = _json_ready({**meta, "step": step, "items": items})
-        newer = [s for s in self.all_steps() if s >= step]
-        if newer:
-            print0(f"Replacing checkpoint step(s) {newer} in {self.directory} by this run's step {step}")
-            for s in newer:
-                self._manager.delete(s)
+        self._clear_steps_from(step)
         args = {"params": ocp.args.StandardSave(params), "meta": ocp.args.JsonSave(meta)}
         if opt_state is not None:
             args["opt_state"] = ocp.args.StandardSave(opt_state)
         if data_iter is not None:
             args["data"] = grain.checkpoint.CheckpointSave(data_iter)
-        self._manager.save(step, args=ocp.args.Composite(**args), force=True)
+        try:  # (the previous save is complete: _clear_steps_from waited for it)
+            self._manager.save(step, args=ocp.args.Composite(**args), force=True)
+        except Exception as e:  # noqa: BLE001 -- whatever the write met (ENOSPC is tensorstore's ValueError)
+            raise self._save_failed(e, step) from e
+        self._saving = step
+        if self._replaced_dir is not None:
+            self._delete_replaced(step)
+
+    def _clear_steps_from(self, step: int) -> None:
+        """Makes room for `step`: newer steps of an abandoned future are deleted, damaged ones moved aside."""
+        newer = [s for s in self.all_steps() if s >= step]
+        damaged = [s for s in newer if s in self._damaged or self._problem(s) is not None]
+        for s in damaged:
+            target = _unused_path(os.path.join(self.directory, DAMAGED_SUBDIR, str(s)))
+            if jax.process_index() == 0:
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                os.rename(os.path.join(self.directory, str(s)), target)
+            print0(f"Moved damaged checkpoint step {s} to {target} to save this run's step {step} (kept, not deleted)")
+        if damaged:
+            _sync("jaxchat_checkpoint_moved_damaged")
+        replaced = [s for s in newer if s not in damaged]
+        if replaced:
+            print0(f"Replacing checkpoint step(s) {replaced} in {self.directory} by this run's step {step}")
+            for s in replaced:
+                self._manager.delete(s)
+        self._manager.reload()
+
+    def _delete_replaced(self, step: int) -> None:
+        """The first save of a run started with overwrite: once it is complete, the old steps go."""
+        self._wait()
+        if self._problem(step) is not None:
+            return  # not readable back: keep the old steps, try again at the next save
+        if jax.process_index() == 0:
+            shutil.rmtree(self._replaced_dir)
+        _sync("jaxchat_checkpoint_deleted_replaced")
+        print0(f"Deleted the replaced checkpoints in {self._replaced_dir}: this run's step {step} is complete")
+        self._replaced_dir = None
+
+    def _save_failed(self, error: Exception, step: int | None) -> SaveFailedError:
+        steps = [int(name) for name in os.listdir(self.directory) if name.isdigit()]  # complete steps only
+        newest = f"step {max(steps)} stays the newest complete checkpoint" if steps else "no complete checkpoint is left"
+        return SaveFailedError(
+            f"saving checkpoint step {step} in {self.directory} failed ({_reason(error)}); {newest}. "
+            "Free some space (or fix the permissions), then resume with --resume-from-step latest")
+
+    def _wait(self) -> None:
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 -- Orbax re-raises what its background save thread met
+            raise self._save_failed(e, self._saving) from e
+        self._saving = None
 
     def wait(self) -> None:
-        """Blocks until every save started so far is complete on disk."""
-        self._manager.wait_until_finished()
+        """Blocks until every save started so far is complete on disk (SaveFailedError if one failed)."""
+        self._wait()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Waits for the saves in flight, then releases the directory's lock."""
+        try:
+            self._wait()
+        finally:
+            self._manager.close()
+            if self._lock is not None:
+                self._lock.close()
+                self._lock = None
 
     def __enter__(self) -> "RunCheckpoints":
         return self
@@ -284,11 +409,42 @@ class RunCheckpoints:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # -- a new run where checkpoints exist --
+
+    def start_fresh(self, overwrite: bool = False) -> None:
+        """For a run that does not resume, before it writes anything: CheckpointError where checkpoints
+        exist, unless overwrite. Then they are moved into replaced/ and deleted once this run's first
+        checkpoint is complete (a run that fails before that costs nothing)."""
+        steps = self.all_steps()
+        replaced_dir = os.path.join(self.directory, REPLACED_SUBDIR)
+        set_aside = os.path.isdir(replaced_dir) and bool(os.listdir(replaced_dir))
+        if not overwrite:
+            if steps:
+                raise CheckpointError(
+                    f"{self.directory} holds the checkpoints of an earlier run (steps {steps}): resume it with "
+                    "--resume-from-step latest, pick another --model-tag, or pass --overwrite to replace them "
+                    "(they are deleted once this run's first checkpoint is complete)")
+            if set_aside:
+                raise CheckpointError(
+                    f"{replaced_dir} holds the checkpoints of a run that an --overwrite run replaced before saving "
+                    f"any: pass --overwrite to replace them, or move them back into {self.directory} to resume them")
+            return
+        if jax.process_index() == 0 and steps:
+            os.makedirs(replaced_dir, exist_ok=True)
+            for s in steps:
+                os.rename(os.path.join(self.directory, str(s)), _unused_path(os.path.join(replaced_dir, str(s))))
+        _sync("jaxchat_checkpoint_set_aside")
+        self._manager.reload()
+        if steps or set_aside:
+            print0(f"--overwrite: the earlier run's checkpoints are moved to {replaced_dir}, and deleted once this "
+                   "run's first checkpoint is complete")
+            self._replaced_dir = replaced_dir
+
     # -- listing --
 
     def all_steps(self) -> list[int]:
         """Every step directory, complete or not (see latest_step for the newest usable one)."""
-        self._manager.wait_until_finished()  # Orbax's save waits for the previous one anyway
+        self._wait()  # Orbax's save waits for the previous one anyway
         self._manager.reload()  # see steps removed or damaged on disk since
         return sorted(self._manager.all_steps())
 
@@ -316,8 +472,8 @@ class RunCheckpoints:
             return "its metadata is missing"
         try:
             meta = self._read_meta(step)
-        except (ValueError, OSError) as e:  # JSONDecodeError is a ValueError
-            return f"its metadata cannot be read ({type(e).__name__}: {str(e)[:200]})"
+        except Exception as e:  # noqa: BLE001 -- whatever Orbax raises about a damaged file
+            return f"its metadata cannot be read ({_reason(e)})"
         if not isinstance(meta, dict) or meta.get("step") != step or "model_config" not in meta or "items" not in meta:
             return "its metadata is not a jaxchat checkpoint's"
         for item in meta["items"]:
@@ -326,8 +482,8 @@ class RunCheckpoints:
             if item in ("params", "opt_state"):
                 try:
                     self._manager.item_metadata(step)[item].tree
-                except (ValueError, OSError, AttributeError) as e:
-                    return f"its {item} metadata cannot be read ({type(e).__name__})"
+                except Exception as e:  # noqa: BLE001 -- whatever Orbax raises about a damaged file
+                    return f"its {item} metadata cannot be read ({_reason(e)})"
         return None
 
     def _candidates(self, step: int | str) -> list[int]:
@@ -361,21 +517,24 @@ class RunCheckpoints:
             try:
                 restored = self._restore_step(candidate, targets, data_iter, model_config, tokenizer)
             except IncompleteCheckpointError as e:
+                self._damaged.add(candidate)
                 if step != LATEST:
                     raise
-                print0(f"Skipping checkpoint step {candidate}: {e}")
+                print0(f"Skipping damaged {e} (kept there, not deleted)")
                 skipped.append(candidate)
                 continue
             if skipped:
                 print0(f"Resuming from step {candidate}, the newest complete checkpoint (skipped {skipped})")
             return restored["params"], restored.get("opt_state"), restored["meta"]
-        raise NoCheckpointError(f"No complete checkpoint in {self.directory}: every step ({skipped}) is damaged")
+        raise NoCheckpointError(f"No complete checkpoint in {self.directory}: every step ({skipped}) is damaged "
+                                "(kept there, not deleted); to train anew, pick another --model-tag, or pass "
+                                "--overwrite instead of --resume-from-step")
 
     def _restore_step(self, step: int, targets: dict, data_iter, model_config, tokenizer) -> dict:
         where = f"checkpoint step {step} in {self.directory}"
         problem = self._problem(step)
         if problem:
-            raise IncompleteCheckpointError(f"{where} is incomplete: {problem}")
+            raise IncompleteCheckpointError(f"{where}: {problem}")
         meta = self._read_meta(step)
         check_compatible(meta, model_config, tokenizer, where)
         for item in targets:
@@ -402,8 +561,9 @@ class RunCheckpoints:
             args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(**args))
-        except (ValueError, OSError) as e:  # tensorstore reports a truncated or missing chunk as ValueError
-            raise IncompleteCheckpointError(f"{where} cannot be read: {type(e).__name__}: {str(e)[:300]}") from e
+        except Exception as e:  # noqa: BLE001 -- tensorstore's ValueError about a truncated or missing file, in
+            # a bare Exception from Orbax; the structure and shapes were checked above, so this is damage
+            raise IncompleteCheckpointError(f"{where}: its arrays cannot be read ({_reason(e)})") from e
         return {"params": restored["params"], "opt_state": restored.get("opt_state"), "meta": meta}
 
     def _check_data_state(self, step: int) -> None:

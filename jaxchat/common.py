@@ -137,15 +137,47 @@ class DummyWandb:
 VERBOSE_ENV = "JAXCHAT_VERBOSE"
 
 
+_ORBAX_SOURCE = f"{os.sep}orbax{os.sep}"
+
+
+def _through_orbax(traceback) -> bool:
+    while traceback is not None:
+        if _ORBAX_SOURCE in traceback.tb_frame.f_code.co_filename:
+            return True
+        traceback = traceback.tb_next
+    return False
+
+
+def _from_orbax(record: logging.LogRecord) -> bool:
+    """A logging filter: False (drop) for what Orbax logs of an error (through absl), and for asyncio's
+    'exception was never retrieved' about the reads or writes of a step Orbax has given up on."""
+    error = record.exc_info[1] if record.exc_info else None
+    return not (_ORBAX_SOURCE in record.pathname or (error is not None and _through_orbax(error.__traceback__)))
+
+
+def _unraisable_unless_orbax(unraisable) -> None:
+    """sys.unraisablehook: drops the leftovers of a step Orbax failed to read or write (its abandoned
+    coroutines, and tensorstore's callbacks into the asyncio loop Orbax has closed: a traceback per array
+    in flight); the error itself reaches jaxchat.checkpoint, which reports it in one line."""
+    closed_loop = isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
+    if not (closed_loop or _through_orbax(unraisable.exc_traceback)):
+        sys.__unraisablehook__(unraisable)
+
+
 def quiet_jax_warnings() -> None:
     """A script prints its own lines only: the libraries' log warnings (Orbax's through absl, e.g.
-    "read_only=True, setting save_interval_steps=0", JAX's, XLA's) are hidden and their errors still
-    surface. JAXCHAT_VERBOSE=1 leaves the libraries' logging as it is."""
+    "read_only=True, setting save_interval_steps=0", JAX's, XLA's) are hidden, and so are the copies of
+    Orbax's errors it logs or leaves behind (the errors themselves are raised and reported). JAXCHAT_VERBOSE=1
+    leaves the libraries' logging as it is."""
     if os.environ.get(VERBOSE_ENV, "") not in ("", "0"):
         return
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     for name in ("absl", "jax", "orbax"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    for name in ("absl", "asyncio"):
+        if _from_orbax not in logging.getLogger(name).filters:
+            logging.getLogger(name).addFilter(_from_orbax)
+    sys.unraisablehook = _unraisable_unless_orbax
     # Donating buffers that XLA cannot reuse (e.g. on CPU) is harmless.
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 

@@ -22,10 +22,12 @@ code: state dicts are read with torch.load(weights_only=True), and tokenizer.pkl
 that resolves the one class such a file names to a record of its data (see load_nanochat_tokenizer).
 """
 
+import contextlib
 import dataclasses
 import json
 import os
 import pickle
+import zipfile
 
 import flax.traverse_util
 import jax
@@ -35,6 +37,7 @@ from flax import nnx
 
 from jaxchat.checkpoint_meta import nanochat_files
 from jaxchat.gpt import GPT, GPTConfig, abstract_model
+from jaxchat.staged_files import StagedFiles
 from jaxchat.tokenizer import Tokenizer
 
 NANOCHAT_COMMIT = "bdcc030"
@@ -148,22 +151,25 @@ def config_from_nanochat_meta(meta: dict, where: str) -> GPTConfig:
 
 # ---- model_<step>.pt -----------------------------------------------------------------------------
 
-def save_nanochat_checkpoint(model: GPT, meta: dict, step: int, directory: str) -> tuple[str, str]:
+def save_nanochat_checkpoint(model: GPT, meta: dict, step: int, directory: str,
+                             staged: StagedFiles | None = None) -> tuple[str, str]:
     """Writes model_<step:06d>.pt and meta_<step:06d>.json into `directory` as nanochat's
-    save_checkpoint does; returns their paths. Refuses to replace an existing model file."""
+    save_checkpoint does; returns their paths. Refuses to replace an existing model file. Both appear
+    together when `staged` (or, without it, this call) ends without an error."""
     torch = import_torch()
     model_path, meta_path = (os.path.join(directory, name) for name in nanochat_files(step))
     if os.path.exists(model_path):
         raise FileExistsError(f"{model_path} exists already: remove it, or export into another nanochat base dir")
+    nanochat_meta_json = json.dumps(nanochat_meta(meta, step), indent=2)  # its errors before any write
     state_dict = {}
     for name, value in to_nanochat_state_dict(model).items():
         tensor = torch.tensor(value)  # a copy: the array may be a read-only view of device memory
         # nanochat trains with wte in bfloat16 on GPU and saves it so (init_weights); rounding to nearest even
         state_dict[name] = tensor.to(torch.bfloat16) if name == "transformer.wte.weight" else tensor
-    os.makedirs(directory, exist_ok=True)
-    torch.save(state_dict, model_path)
-    with open(meta_path, "w", encoding="utf-8") as f:
-        json.dump(nanochat_meta(meta, step), f, indent=2)
+    with contextlib.nullcontext(staged) if staged else StagedFiles() as files:
+        torch.save(state_dict, files.path(model_path))
+        with open(files.path(meta_path), "w", encoding="utf-8") as f:
+            f.write(nanochat_meta_json)
     return model_path, meta_path
 
 
@@ -173,14 +179,27 @@ def load_nanochat_state_dict(path: str) -> dict[str, np.ndarray]:
     if path.endswith(".safetensors"):
         import safetensors.numpy
 
-        raw = safetensors.numpy.load_file(path)
+        try:
+            raw = safetensors.numpy.load_file(path)
+        except OSError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- safetensors raises its own SafetensorError (and others) on garbage
+            raise ValueError(f"{path} is not a safetensors file, or a damaged one ({type(e).__name__}: {e})") from None
         arrays = {name: np.asarray(value, dtype=np.float32) for name, value in raw.items()}
     elif path.endswith(".pt"):
         torch = import_torch()
+        if not zipfile.is_zipfile(path):  # torch.save's format since PyTorch 1.6, nanochat's
+            raise ValueError(f"{path} is not a PyTorch checkpoint (not the zip archive torch.save writes; "
+                             "a truncated copy looks so too)")
         try:
             raw = torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise ValueError(f"{path} holds more than tensors, so it is not read (it could run code): {e}") from e
+        except pickle.UnpicklingError as e:  # its pickle names a class or function: only tensors are read
+            refused = str(e.__context__ or "").strip().splitlines()[:1] or ["it names more than tensors"]
+            raise ValueError(f"{path} holds more than tensors, so it is not read ({refused[0]}): nanochat's model "
+                             "files hold tensors only") from None
+        except (RuntimeError, EOFError, KeyError, ValueError) as e:  # a damaged archive
+            raise ValueError(f"{path} is not a PyTorch checkpoint, or a damaged one "
+                             f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
         if not isinstance(raw, dict):
             raise ValueError(f"{path} holds a {type(raw).__name__}, not nanochat's state dict")
         arrays = {name: value.detach().float().numpy() for name, value in raw.items()}
@@ -203,18 +222,19 @@ def nanochat_token_bytes(tokenizer: Tokenizer) -> np.ndarray:
     return np.asarray(lengths, dtype=np.int32)
 
 
-def save_nanochat_tokenizer(tokenizer: Tokenizer, directory: str) -> None:
-    """tokenizer.pkl (the tiktoken Encoding nanochat's RustBPETokenizer pickles) and token_bytes.pt."""
+def save_nanochat_tokenizer(tokenizer: Tokenizer, directory: str, staged: StagedFiles | None = None) -> None:
+    """tokenizer.pkl (the tiktoken Encoding nanochat's RustBPETokenizer pickles) and token_bytes.pt;
+    both appear when `staged` (or, without it, this call) ends without an error."""
     import tiktoken
 
     torch = import_torch()
     encoding = tiktoken.Encoding(name=ENCODING_NAME, pat_str=tokenizer.pattern,
                                  mergeable_ranks=tokenizer.mergeable_ranks, special_tokens=tokenizer.special_tokens)
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, TOKENIZER_PICKLE), "wb") as f:
-        pickle.dump(encoding, f)
-    with open(os.path.join(directory, TOKEN_BYTES_PT), "wb") as f:
-        torch.save(torch.from_numpy(nanochat_token_bytes(tokenizer)), f)
+    with contextlib.nullcontext(staged) if staged else StagedFiles() as files:
+        with open(files.path(os.path.join(directory, TOKENIZER_PICKLE)), "wb") as f:
+            pickle.dump(encoding, f)
+        with open(files.path(os.path.join(directory, TOKEN_BYTES_PT)), "wb") as f:
+            torch.save(torch.from_numpy(nanochat_token_bytes(tokenizer)), f)
 
 
 class _EncodingRecord:

@@ -59,13 +59,16 @@ def get_recipe(name: str) -> Recipe:
 # ---- the settings ---------------------------------------------------------------------------------
 
 def setting(default: Any, help: str, group: str, *, nanochat: bool = True, choices: Sequence | None = None,
-            positive: bool = False, parse: Any = None, recipes: Sequence[str] | None = None, cli: bool = True) -> Any:
+            positive: bool = False, off: str | None = None, parse: Any = None, recipes: Sequence[str] | None = None,
+            cli: bool = True) -> Any:
     """A RunSettings field: default and command-line metadata. nanochat: base_train.py has this flag (the
-    README's nanochat column); choices/positive: checked by RunSettings.check; parse: the argparse type when
-    the annotation is not enough; recipes: the recipes that have this setting (None: every one); cli: False
-    for settings of library callers only."""
+    README's nanochat column); choices/positive: checked by RunSettings.check; off: -1 means this ('off',
+    'all'), as nanochat's flags say, and any other value below 1 is refused (`--num-iterations 0` is a typo,
+    not a way to fall through to another horizon); parse: the argparse type when the annotation is not
+    enough; recipes: the recipes that have this setting (None: every one); cli: False for settings of
+    library callers only."""
     return dataclasses.field(default=default, metadata={
-        "help": help, "group": group, "nanochat": nanochat, "choices": choices, "positive": positive,
+        "help": help, "group": group, "nanochat": nanochat, "choices": choices, "positive": positive, "off": off,
         "parse": parse, "recipes": recipes, "cli": cli})
 
 
@@ -87,11 +90,11 @@ class RunSettings:
     window_pattern: str = setting("SSSL", "sliding window pattern tiled across layers: L=full, S=half context "
                                   "(e.g. 'SSL')", "Model architecture")
     # Training horizon (only one used, in order of precedence)
-    num_iterations: int = setting(-1, "explicit number of optimization steps (-1 = disable)", "Training horizon")
+    num_iterations: int = setting(-1, "explicit number of optimization steps (-1 = disable)", "Training horizon", off="off")
     target_flops: float = setting(-1.0, "calculate num_iterations to reach target_flops (-1 = disable)",
-                                  "Training horizon")
+                                  "Training horizon", off="off")
     target_param_data_ratio: int = setting(8, "calculate num_iterations to maintain data:param ratio "
-                                           "(Chinchilla=20, -1 = disable)", "Training horizon")
+                                           "(Chinchilla=20, -1 = disable)", "Training horizon", off="off")
     # Optimization
     device_batch_size: int = setting(32, "per-device batch size", "Optimization", positive=True)
     total_batch_size: int = setting(524288, "total batch size in tokens", "Optimization", positive=True)
@@ -109,21 +112,23 @@ class RunSettings:
                                           "complete checkpoint, or a fresh start if there is none)", "Optimization",
                                           parse=parse_resume_step)
     # Evaluation
-    eval_every: int = setting(250, "evaluate val bpb every N steps (-1 = disable)", "Evaluation")
+    eval_every: int = setting(250, "evaluate val bpb every N steps (-1 = disable)", "Evaluation", off="off")
     eval_tokens: int = setting(20 * 524288, "number of tokens to evaluate val loss on", "Evaluation")
-    core_metric_every: int = setting(2000, "evaluate CORE metric every N steps (-1 = disable)", "Evaluation")
+    core_metric_every: int = setting(2000, "evaluate CORE metric every N steps (-1 = disable)", "Evaluation", off="off")
     core_metric_max_per_task: int = setting(500, "examples per task for CORE metric", "Evaluation")
-    sample_every: int = setting(2000, "sample from model every N steps (-1 = disable)", "Evaluation")
-    save_every: int = setting(-1, "save checkpoints every N steps (-1 = only at end)", "Evaluation")
+    sample_every: int = setting(2000, "sample from model every N steps (-1 = disable)", "Evaluation", off="off")
+    save_every: int = setting(-1, "save checkpoints every N steps (-1 = only at end)", "Evaluation", off="off")
     # Output
     model_tag: str | None = setting(None, "override model tag for checkpoint directory name", "Output")
+    overwrite: bool = setting(False, "replace the checkpoints of an earlier run under this model tag (deleted once "
+                              "this run's first checkpoint is complete)", "Output", nanochat=False)
     # JAX only
-    num_devices: int = setting(-1, "devices in the mesh, over all processes (-1 = all)", "JAX", nanochat=False)
+    num_devices: int = setting(-1, "devices in the mesh, over all processes (-1 = all)", "JAX", nanochat=False, off="all")
     fsdp: bool = setting(False, "shard parameters over the data axis too (ZeRO-3), for depths whose state does "
                          "not fit", "JAX", nanochat=False)
     data_dir: str | None = setting(None, "parquet shards (default: <base_dir>/base_data)", "JAX", nanochat=False)
     seed: int = setting(42, "seed of the model initialisation", "JAX", nanochat=False)
-    keep_checkpoints: int = setting(-1, "keep only the newest N checkpoints (-1 = all)", "JAX", nanochat=False)
+    keep_checkpoints: int = setting(-1, "keep only the newest N checkpoints (-1 = all)", "JAX", nanochat=False, off="all")
     attention: str = setting("auto", "attention kernel (auto: cudnn on NVIDIA GPUs, xla elsewhere)", "JAX",
                              nanochat=False, choices=("auto", "cudnn", "xla"))
     loader_workers: int = setting(4, "threads reading and tokenising data", "JAX", nanochat=False)
@@ -153,10 +158,15 @@ class RunSettings:
             value, meta = getattr(self, field.name), field.metadata
             if meta["positive"] and value < 1:
                 raise SettingsError(f"{flag_name(field.name)} must be a positive integer, got {value}")
+            if meta["off"] is not None and value != -1 and value < 1:
+                raise SettingsError(f"{flag_name(field.name)} {value}: -1 means {meta['off']}, any other value must "
+                                    "be at least 1")
             if meta["choices"] is not None and value not in meta["choices"]:
                 raise SettingsError(f"{flag_name(field.name)} {value!r}: use one of {', '.join(meta['choices'])}")
-        if self.num_iterations <= 0 and self.target_flops <= 0 and self.target_param_data_ratio <= 0:
+        if self.num_iterations == self.target_flops == self.target_param_data_ratio == -1:
             raise SettingsError("no training horizon: set --num-iterations, --target-flops or --target-param-data-ratio")
+        if self.overwrite and self.resume_from_step != -1:
+            raise SettingsError("--overwrite starts a new run and --resume-from-step continues one: pass one of them")
         try:
             check_window_pattern(self.window_pattern)
         except ValueError as e:

@@ -14,6 +14,9 @@ from jaxchat.common import print0
 # Exit status of a run stopped by SIGTERM/SIGINT after saving its checkpoint (EX_TEMPFAIL of sysexits.h):
 # the run is not finished; the same command with --resume-from-step=latest carries it on. 0: finished.
 EXIT_STOPPED = 75
+# Exit status of a run whose checkpoint could not be written (no space, permission lost; EX_IOERR): the
+# previous complete step is intact, and --resume-from-step=latest carries on once the disk is fixed.
+EXIT_SAVE_FAILED = 74
 EMA_BETA = 0.9  # smoothing of the printed training loss
 # Steps 0..TIMING_WARMUP_STEPS compile and warm up: their time is left out of total_training_time, the
 # ETA and the average tok/s (as base_train.py's `step > 10`)

@@ -59,12 +59,13 @@ echo "jaxchat CPU demo (${JAXCHAT_DEMO_SIZE:-small}): base dir $JAXCHAT_BASE_DIR
 
 # -----------------------------------------------------------------------------
 # Pretraining on the CPU, validation bpb every EVAL_EVERY steps (the report's curve); no CORE (it needs a
-# 162 MB download) and no samples during training (base_loss draws them below)
+# 162 MB download) and no samples during training (base_loss draws them below). --overwrite: a rerun of
+# the demo replaces the model of its previous run (whose tokenizer was just retrained).
 "$PYTHON" -m scripts.train --device-type=cpu --depth="$DEPTH" --max-seq-len="$SEQ_LEN" \
     --device-batch-size="$DEVICE_BATCH" --total-batch-size="$TOTAL_BATCH" --num-iterations="$STEPS" \
     --eval-every="$EVAL_EVERY" --eval-tokens="$EVAL_TOKENS" --core-metric-every=-1 --sample-every=-1 \
     --matrix-lr="$(lr 0.02)" --embedding-lr="$(lr 0.3)" --unembedding-lr="$(lr 0.004)" --scalar-lr="$(lr 0.5)" \
-    --loader-workers=2
+    --loader-workers=2 --overwrite
 
 # -----------------------------------------------------------------------------
 # Evaluation: bits per byte on training and validation text (the same validation tokens as training's

@@ -35,12 +35,13 @@ from flax import nnx
 from jaxchat.checkpoint import CheckpointError, RunCheckpoints, find_model_tag, load_model, tokenizer_info
 from jaxchat.checkpoint_meta import (CHECKPOINTS_SUBDIR, NANOCHAT_WEIGHTS_FILE, TOKENIZER_SUBDIR, TRAINING_META_KEYS,
                                      default_model_tag, nanochat_files)
-from jaxchat.common import get_base_dir, quiet_jax_warnings
+from jaxchat.common import fail, get_base_dir, quiet_jax_warnings
 from jaxchat.interop import (TOKEN_BYTES_PT, TOKENIZER_PICKLE, config_from_nanochat_meta, from_nanochat_state_dict,
                              load_nanochat_state_dict, load_nanochat_tokenizer, nanochat_meta, save_nanochat_checkpoint,
                              save_nanochat_tokenizer, to_nanochat_state_dict)
+from jaxchat.staged_files import StagedFiles, check_writable_dir
 from jaxchat.tokenizer import get_tokenizer
-from jaxchat.common import fail
+
 
 def _holds_tokenizer(existing, tokenizer, where: str, what_to_do: str) -> bool:
     """Whether `where` holds this tokenizer already (existing: what it holds, None if nothing). Another
@@ -55,7 +56,8 @@ def _holds_tokenizer(existing, tokenizer, where: str, what_to_do: str) -> bool:
 
 def export_to_nanochat(nanochat_dir: str, model_tag: str | None = None, step: int | None = None,
                        base_dir: str | None = None) -> list[str]:
-    """Writes a jaxchat checkpoint and its tokenizer into a nanochat base directory; returns the files written."""
+    """Writes a jaxchat checkpoint and its tokenizer into a nanochat base directory; returns the files written.
+    Everything is checked first and the files appear together: a failure leaves nanochat_dir as it was."""
     base_dir = base_dir or get_base_dir()
     tokenizer = get_tokenizer(os.path.join(base_dir, TOKENIZER_SUBDIR))
     model_tag = model_tag or find_model_tag(os.path.join(base_dir, CHECKPOINTS_SUBDIR))
@@ -65,11 +67,14 @@ def export_to_nanochat(nanochat_dir: str, model_tag: str | None = None, step: in
     existing = load_nanochat_tokenizer(pickle_path) if os.path.exists(pickle_path) else None
     keep_tokenizer = _holds_tokenizer(existing, tokenizer, tokenizer_dir,
                                       "export into another nanochat base dir, or move that tokenizer away")
-    written = list(save_nanochat_checkpoint(model, meta, meta["step"],
-                                            os.path.join(nanochat_dir, CHECKPOINTS_SUBDIR, model_tag)))
-    if not keep_tokenizer:
-        save_nanochat_tokenizer(tokenizer, tokenizer_dir)
-        written += [os.path.join(tokenizer_dir, TOKENIZER_PICKLE), os.path.join(tokenizer_dir, TOKEN_BYTES_PT)]
+    model_dir = os.path.join(nanochat_dir, CHECKPOINTS_SUBDIR, model_tag)
+    for directory in [model_dir] + ([] if keep_tokenizer else [tokenizer_dir]):
+        check_writable_dir(directory)
+    with StagedFiles() as staged:
+        written = list(save_nanochat_checkpoint(model, meta, meta["step"], model_dir, staged))
+        if not keep_tokenizer:
+            save_nanochat_tokenizer(tokenizer, tokenizer_dir, staged)
+            written += [os.path.join(tokenizer_dir, TOKENIZER_PICKLE), os.path.join(tokenizer_dir, TOKEN_BYTES_PT)]
     return written
 
 
@@ -81,11 +86,13 @@ def export_checkpoint(model_tag: str | None = None, step: int | None = None, out
     model, meta = load_model(model_tag, step, base_dir)
     step = meta["step"]
     output = output or os.path.join(base_dir, "nanochat_export", model_tag)
-    os.makedirs(output, exist_ok=True)
+    check_writable_dir(output)
     weights_path, meta_path = (os.path.join(output, name) for name in nanochat_files(step, "safetensors"))
-    safetensors.numpy.save_file(to_nanochat_state_dict(model), weights_path)
-    with open(meta_path, "w", encoding="utf-8") as f:
-        json.dump(nanochat_meta(meta, step), f, indent=2)
+    meta_json = json.dumps(nanochat_meta(meta, step), indent=2)
+    with StagedFiles() as staged:  # both files or neither
+        safetensors.numpy.save_file(to_nanochat_state_dict(model), staged.path(weights_path))
+        with open(staged.path(meta_path), "w", encoding="utf-8") as f:
+            f.write(meta_json)
     return weights_path, meta_path
 
 
@@ -94,6 +101,21 @@ def _default_meta_path(weights_path: str) -> str:
     if not match:
         raise ValueError(f"cannot tell the step of {weights_path} (not model_<step>.pt or .safetensors): pass --meta")
     return os.path.join(os.path.dirname(weights_path), nanochat_files(int(match.group(1)))[1])
+
+
+def _read_nanochat_meta(weights_path: str, meta_path: str | None) -> tuple[dict, str]:
+    """(nanochat's meta, its path): --meta, or meta_<step>.json beside the weights."""
+    given = meta_path is not None
+    meta_path = meta_path or _default_meta_path(weights_path)
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            return json.load(f), meta_path
+    except FileNotFoundError:
+        missing = f"--meta {meta_path} does not exist" if given else \
+            f"no meta file beside the weights ({meta_path}, where nanochat writes it)"
+        raise ValueError(f"{missing}: pass the meta file's path with --meta") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{meta_path} is not a nanochat meta file (not JSON: {e}): pass the right one with --meta") from None
 
 
 def _default_tokenizer_path(weights_path: str) -> str | None:
@@ -108,9 +130,7 @@ def import_weights(weights_path: str, meta_path: str | None = None, tokenizer_pa
     """Writes nanochat weights (.pt or .safetensors) as a weights-only jaxchat checkpoint, and nanochat's
     tokenizer (tokenizer_path; default: beside the weights in nanochat's layout, if there) as jaxchat's;
     returns the checkpoint's directory."""
-    meta_path = meta_path or _default_meta_path(weights_path)
-    with open(meta_path, encoding="utf-8") as f:
-        source_meta = json.load(f)
+    source_meta, meta_path = _read_nanochat_meta(weights_path, meta_path)
     config = config_from_nanochat_meta(source_meta, meta_path)
     step = step if step is not None else source_meta.get("step")
     if step is None:
@@ -133,6 +153,8 @@ def import_weights(weights_path: str, meta_path: str | None = None, tokenizer_pa
                                           "import into another base dir ($JAXCHAT_BASE_DIR), or move that tokenizer away")
 
     directory = os.path.join(base_dir, CHECKPOINTS_SUBDIR, model_tag or default_model_tag(config.n_layer))
+    for target in [directory] + ([tokenizer_dir] if tokenizer is not None and not keep_tokenizer else []):
+        check_writable_dir(target)  # an unwritable place stops the import here, before the tokenizer is written
     meta = {key: source_meta[key] for key in TRAINING_META_KEYS if key in source_meta and key not in ("model_config", "tokenizer")}
     meta.update(model_config=dataclasses.asdict(config), imported_from=os.path.abspath(weights_path),
                 tokenizer=tokenizer_info(tokenizer) if tokenizer is not None else None)

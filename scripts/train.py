@@ -45,12 +45,15 @@ def main(argv: list[str] | None = None) -> None:
     from jaxchat.mesh import maybe_initialize_distributed
 
     maybe_initialize_distributed()  # before anything touches a device
-    from jaxchat.checkpoint import CheckpointError
-    from jaxchat.train_loop import EXIT_STOPPED
+    from jaxchat.checkpoint import CheckpointError, SaveFailedError
+    from jaxchat.train_loop import EXIT_SAVE_FAILED, EXIT_STOPPED
 
     try:
         select_platform(settings.device_type)
         stopped = train(settings, gpu_defaults_set)
+    except SaveFailedError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_SAVE_FAILED)
     except (SettingsError, CheckpointError, PlatformError) as e:  # the library's messages say what to do
         fail(str(e))
     if stopped:
@@ -166,6 +169,8 @@ def setup(settings: RunSettings, gpu_defaults_set: list[str] | None) -> Session:
         # a requeued job's first start: 'latest' with nothing saved yet means a fresh run
         print0(f"No checkpoint in {directory} yet: starting from scratch")
         resuming = False
+    if not resuming:
+        checkpointer.start_fresh(overwrite=settings.overwrite)  # refuses where an earlier run's checkpoints are
     train_loader, val_loader, eval_steps = make_loaders(settings, run, tokenizer)
 
     state = run.state

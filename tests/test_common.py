@@ -1,10 +1,13 @@
-"""Progress display and the peak FLOP/s table."""
+"""Progress display, the peak FLOP/s table, and the libraries kept quiet."""
 
 import io
+import logging
+import os
+import sys
 
 import pytest
 
-from jaxchat.common import Progress, eta_text, peak_flops_per_device
+from jaxchat.common import VERBOSE_ENV, Progress, eta_text, peak_flops_per_device, quiet_jax_warnings
 
 
 class FakeDevice:
@@ -39,3 +42,44 @@ def test_eta_text():
                                          ("cpu", None)])
 def test_peak_flops_table(kind, flops):
     assert peak_flops_per_device(FakeDevice(kind)) == flops
+
+
+def test_quiet_libraries_leave_one_line_per_error(monkeypatch, capsys):
+    """A script's own error line stands alone: what Orbax logs of an error it raises, what it leaves behind
+    (abandoned coroutines of a damaged step's reads, asyncio's 'exception was never retrieved' about them,
+    tensorstore's 'Event loop is closed' after a failed save) is dropped; other errors still show."""
+    monkeypatch.delenv(VERBOSE_ENV, raising=False)
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)  # restored after the test
+    for name in ("absl", "asyncio"):
+        monkeypatch.setattr(logging.getLogger(name), "filters", list(logging.getLogger(name).filters))
+    quiet_jax_warnings()
+    orbax_file = os.path.join(os.sep, "site-packages", "orbax", "checkpoint", "serialization.py")
+
+    def raised_in(filename: str) -> BaseException:
+        try:
+            exec(compile("raise Exception('Encountered error while reading array index')", filename, "exec"))
+        except Exception as e:  # noqa: BLE001
+            return e
+
+    def record(logger: str, pathname: str, error: BaseException | None = None) -> logging.LogRecord:
+        exc_info = (type(error), error, error.__traceback__) if error else None
+        return logging.LogRecord(logger, logging.ERROR, pathname, 1, "failed", None, exc_info)
+
+    asyncio_file = os.path.join(os.sep, "lib", "asyncio", "base_events.py")
+    assert not logging.getLogger("absl").filter(record("absl", orbax_file))
+    assert not logging.getLogger("asyncio").filter(record("asyncio", asyncio_file, raised_in(orbax_file)))
+    assert logging.getLogger("asyncio").filter(record("asyncio", asyncio_file, raised_in("mine.py")))
+    assert logging.getLogger("absl").filter(record("absl", os.path.join("jaxchat", "checkpoint.py")))
+
+    class RaisesWhenCollected:  # an unraisable error, as an abandoned coroutine or a late callback makes one
+        def __init__(self, error: BaseException):
+            self.error = error
+
+        def __del__(self):
+            raise self.error
+
+    RaisesWhenCollected(RuntimeError("Event loop is closed"))
+    RaisesWhenCollected(raised_in(orbax_file))
+    assert capsys.readouterr().err == ""
+    RaisesWhenCollected(ValueError("something else"))
+    assert "ValueError: something else" in capsys.readouterr().err

@@ -36,7 +36,7 @@ def test_every_stage_runs_and_the_model_learns(demo):
     assert "Traceback" not in out
     assert len(os.listdir(base / "base_data")) >= 3  # the built-in corpus: shards + corpus.json
     assert os.path.exists(base / "tokenizer" / "tokenizer.tiktoken")
-    assert sorted(os.listdir(base / "base_checkpoints" / "d2")) == ["40"]
+    assert sorted(os.listdir(base / "base_checkpoints" / "d2")) == ["40", "run.lock"]
     losses = [float(x) for x in re.findall(r"^step \d+/00040 .*?\| loss: ([\d.]+) \|", out, re.M)]
     assert len(losses) == 40 and losses[-1] < losses[0] - 1.0, losses
     bpbs = [float(x) for x in re.findall(r"^Step \d+ \| Validation bpb: ([\d.]+)$", out, re.M)]

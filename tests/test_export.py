@@ -6,9 +6,12 @@ get_token_bytes: torch.load), and run through a PyTorch forward of nanochat's GP
 file from nanochat/gpt.py, not taken from jaxchat."""
 
 import dataclasses
+import errno
+import glob
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 
@@ -349,6 +352,96 @@ def test_bad_input_is_refused_with_what_to_do(tmp_path, config, tokenizer, monke
     monkeypatch.setitem(sys.modules, "torch", None)  # as if PyTorch were not installed
     with pytest.raises(ImportError, match="need PyTorch, which is not installed: pip install -e '.\\[nanochat\\]'"):
         export_to_nanochat(str(tmp_path / "nanochat2"), base_dir=str(tmp_path / "jaxchat"))
+
+
+@pytest.fixture
+def unwritable_dir(tmp_path):
+    """unwritable(path): makes the directory `path` refuse new files, as for its user: mode 0o555, or for root
+    (whom modes do not stop) a read-only tmpfs mounted on it; skipped where neither can be had."""
+    mounted = []
+
+    def unwritable(path):
+        os.makedirs(path, exist_ok=True)
+        if os.geteuid() != 0:
+            os.chmod(path, 0o555)
+            return
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)], capture_output=True)
+        if result.returncode != 0:
+            pytest.skip(f"root cannot mount a read-only tmpfs here: {result.stderr.decode().strip()}")
+        mounted.append(path)
+
+    yield unwritable
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def files_under(path) -> dict[str, bytes]:
+    return {os.path.relpath(p, path): open(p, "rb").read()
+            for p in glob.glob(os.path.join(path, "**"), recursive=True, include_hidden=True) if os.path.isfile(p)}
+
+
+def test_a_failed_export_leaves_the_nanochat_dir_as_it_was(exported, tmp_path, unwritable_dir, monkeypatch):
+    _, nanochat_dir, _ = exported
+    model_path = nanochat_dir / "base_checkpoints" / TAG / "model_000012.pt"
+    jaxchat_dir = tmp_path / "jaxchat"
+    import_weights(str(model_path), base_dir=str(jaxchat_dir))  # a jaxchat base dir holding that model
+
+    target = tmp_path / "nanochat"
+    unwritable_dir(target / "tokenizer")  # the model's directory could be written, its tokenizer's not
+    with pytest.raises(OSError, match=f"cannot write into {target / 'tokenizer'}"):
+        export_to_nanochat(str(target), base_dir=str(jaxchat_dir))
+    assert sorted(os.listdir(target)) == ["tokenizer"] and files_under(target) == {}  # no half-made model
+
+    # a write that fails halfway (the disk fills at the last file): none of the files appears
+    target = tmp_path / "nanochat_full_disk"
+    (target / "base_checkpoints").mkdir(parents=True)
+    (target / "base_checkpoints" / "notes.txt").write_text("the user's")
+    real_save = torch.save
+
+    def fills_the_disk(obj, f, *args, **kwargs):
+        if "token_bytes" in str(getattr(f, "name", f)):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", fills_the_disk)
+    with pytest.raises(OSError, match="No space left"):
+        export_to_nanochat(str(target), base_dir=str(jaxchat_dir))
+    assert files_under(target) == {os.path.join("base_checkpoints", "notes.txt"): b"the user's"}
+    assert sorted(os.listdir(target)) == ["base_checkpoints"]  # the directories it made are gone too
+
+
+def test_an_import_of_garbage_says_what_it_is(exported, tmp_path):
+    _, nanochat_dir, _ = exported
+    meta = (nanochat_dir / "base_checkpoints" / TAG / "meta_000012.json").read_text()
+    good = (nanochat_dir / "base_checkpoints" / TAG / "model_000012.pt").read_bytes()
+
+    class Payload:
+        def __reduce__(self):
+            return os.getcwd, ()
+
+    files = {"random bytes": np.random.default_rng(0).bytes(4096), "a copy cut in half": good[:len(good) // 2]}
+    for name, data in files.items():
+        (tmp_path / "model_000012.pt").write_bytes(data)
+        (tmp_path / "meta_000012.json").write_text(meta)
+        with pytest.raises(ValueError) as error:
+            import_weights(str(tmp_path / "model_000012.pt"), base_dir=str(tmp_path / "jaxchat"))
+        assert str(error.value).startswith(f"{tmp_path / 'model_000012.pt'} is not a PyTorch checkpoint"), name
+        assert "weights_only" not in str(error.value)  # never PyTorch's advice to load it unsafely
+    torch.save({"lm_head.weight": Payload()}, tmp_path / "model_000012.pt")
+    with pytest.raises(ValueError, match="holds more than tensors, so it is not read \\(.*posix.getcwd") as error:
+        import_weights(str(tmp_path / "model_000012.pt"), base_dir=str(tmp_path / "jaxchat"))
+    assert "weights_only" not in str(error.value)
+    (tmp_path / "model_000012.safetensors").write_bytes(files["random bytes"])
+    with pytest.raises(ValueError, match="model_000012.safetensors is not a safetensors file"):
+        import_weights(str(tmp_path / "model_000012.safetensors"), base_dir=str(tmp_path / "jaxchat"))
+    assert not (tmp_path / "jaxchat").exists()
+
+    os.remove(tmp_path / "meta_000012.json")
+    with pytest.raises(ValueError, match=re.escape(f"no meta file beside the weights ({tmp_path / 'meta_000012.json'}, "
+                                                   "where nanochat writes it): pass the meta file's path with --meta")):
+        import_weights(str(tmp_path / "model_000012.pt"))
+    with pytest.raises(ValueError, match=re.escape(f"--meta {tmp_path / 'm.json'} does not exist")):
+        import_weights(str(tmp_path / "model_000012.pt"), meta_path=str(tmp_path / "m.json"))
 
 
 @pytest.mark.slow

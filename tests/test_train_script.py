@@ -3,11 +3,16 @@ traceback, and two hosts (two jax.distributed processes) train, save and resume 
 learns, evaluates and samples: test_cpu_demo.py; SIGTERM and exact resume in a new process, the report's
 curve across it: test_checkpoint.py.)"""
 
+import contextlib
+import glob
 import os
 import re
 
+import jax.numpy as jnp
 import pytest
 
+from jaxchat.checkpoint import RunCheckpoints
+from jaxchat.tokenizer import Tokenizer
 from scripts import train as train_script
 
 SMALL = ["--depth=2", "--max-seq-len=128", "--device-batch-size=4", "--total-batch-size=512", "--num-devices=1"]
@@ -20,6 +25,11 @@ SMALL = ["--depth=2", "--max-seq-len=128", "--device-batch-size=4", "--total-bat
     (["--num-devices=99"], "99 devices requested but only 8 exist"),
     (["--window-pattern=SXL"], "must be made of S"),
     (["--num-iterations=-1", "--target-param-data-ratio=-1"], "no training horizon"),
+    # nanochat's -1 is "off"; another value below 1 is a typo, not a way to fall through to another horizon
+    (["--num-iterations=-5"], "--num-iterations -5: -1 means off, any other value must be at least 1"),
+    (["--num-iterations=0"], "--num-iterations 0: -1 means off"),
+    (["--save-every=0"], "--save-every 0: -1 means off"),
+    (["--num-devices=-2"], "--num-devices -2: -1 means all"),
 ])
 def test_bad_input_stops_with_a_message(tmp_path, monkeypatch, capsys, flags, message):
     """In this process (main(argv) is the whole script): each must exit with status 2 and a message on
@@ -30,6 +40,33 @@ def test_bad_input_stops_with_a_message(tmp_path, monkeypatch, capsys, flags, me
     assert stopped.value.code == 2  # fail()'s status: any other exception would have escaped as itself
     assert message in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "base_checkpoints")
+
+
+def test_a_rerun_or_a_second_run_on_a_tag_is_refused_before_any_write(tmp_path, monkeypatch, capsys):
+    """A rerun without --resume-from-step where an earlier run's checkpoints are, or any run while another
+    holds the directory: status 2 and one line, before the model is even compiled; nothing of the earlier
+    run changes."""
+    monkeypatch.setenv("JAXCHAT_BASE_DIR", str(tmp_path))
+    Tokenizer({bytes([i]): i for i in range(256)}).save(str(tmp_path / "tokenizer"))
+    run_dir = tmp_path / "base_checkpoints" / "earlier"
+    with RunCheckpoints(str(run_dir)) as earlier:
+        earlier.save(5, {"w": jnp.ones(3)}, None, None, {"model_config": {}})
+    before = {path: os.path.getmtime(path) for path in glob.glob(str(run_dir / "5" / "**"), recursive=True)}
+    flags = [*SMALL, "--device-type=cpu", "--model-tag=earlier", "--num-iterations=5", "--core-metric-every=-1"]
+    # (the rerun last: in this process, the refused run's objects keep its lock until they are collected)
+    for extra, message in ((["--resume-from-step=latest"], f"{run_dir} is in use by another run (host "),
+                           ([], f"{run_dir} holds the checkpoints of an earlier run (steps [5]): resume it with "
+                                "--resume-from-step latest, pick another --model-tag, or pass --overwrite")):
+        with RunCheckpoints(str(run_dir)) if extra else contextlib.nullcontext():  # a live run holds it
+            with pytest.raises(SystemExit) as stopped:
+                train_script.main([*flags, *extra])
+        assert stopped.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+    assert {path: os.path.getmtime(path) for path in glob.glob(str(run_dir / "5" / "**"), recursive=True)} == before
+    with pytest.raises(SystemExit, match="2"):
+        train_script.main(["--overwrite", "--resume-from-step=latest"])
+    assert "--overwrite starts a new run and --resume-from-step continues one" in capsys.readouterr().err
 
 
 def run_to_its_error(start_train, base_dir, *flags, **env) -> str:
