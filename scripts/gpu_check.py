@@ -367,7 +367,9 @@ def add_settings_flags(parser: argparse.ArgumentParser, skip: set[str]) -> None:
     type), so that whatever scripts.train's settings gain (a recipe, fp8) can be compiled too."""
     from jaxchat.run import RunSettings
 
-    group = parser.add_argument_group("run settings, for --compile-only (any field of jaxchat.run.RunSettings)")
+    group = parser.add_argument_group(
+        "run settings (every field of jaxchat.run.RunSettings)", "--compile-only compiles one micro-step of them "
+        "(the horizon and --total-batch-size do not change it); --device-batch-size also sizes a GPU run's steps")
     for field in dataclasses.fields(RunSettings):
         if field.name in skip:
             continue
