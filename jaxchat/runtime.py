@@ -47,16 +47,18 @@ MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 CUDA_PLUGIN_MODULES = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13", "jax_cuda12_plugin", "jax_cuda13_plugin")
 
 
-def gpu_compiler_options() -> dict[str, bool | int | str]:
-    """GPU_XLA_FLAGS as compiler options for `.compile(compiler_options=...)`, which wants typed values
-    ('false' as a string is refused): a step compiled ahead of time for a GPU target gets the same
-    options as a GPU run's XLA_FLAGS give it."""
+def gpu_compiler_options(environ: Mapping[str, str] = os.environ) -> dict[str, bool | int | str]:
+    """The GPU flags that environ's XLA_FLAGS does not set, as compiler options for
+    `.compile(compiler_options=...)`, which wants typed values ('false' as a string is refused): a step
+    compiled ahead of time for a GPU target gets the options a GPU run gets, and the user's flags win
+    there as they do in a run (XLA reads XLA_FLAGS for every compilation)."""
     def typed(value: str) -> bool | int | str:
         if value in ("true", "false"):
             return value == "true"
         return int(value) if value.isdigit() else value
 
-    return {name: typed(value) for name, value in GPU_XLA_FLAGS.items()}
+    present = xla_flag_names(environ.get("XLA_FLAGS", ""))
+    return {name: typed(value) for name, value in GPU_XLA_FLAGS.items() if name not in present}
 
 
 def xla_flag_names(xla_flags: str) -> set[str]:
