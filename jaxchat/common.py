@@ -228,3 +228,12 @@ def eta_text(done: float, total: float, elapsed_s: float) -> str:
     remaining = max(total - done, 0) * elapsed_s / done
     minutes, seconds = divmod(int(remaining), 60)
     return f"ETA {minutes}m{seconds:02d}s" if minutes else f"ETA {seconds}s"
+
+
+def format_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
+    """rows as a right-aligned text table: one column per (key, format), 'n/a' where a row has no value."""
+    cells = [[fmt.format(r[name]) if r.get(name) is not None else "n/a" for name, fmt in columns] for r in rows]
+    widths = [max(len(name), *(len(row[i]) for row in cells)) for i, (name, _) in enumerate(columns)]
+    lines = ["  ".join(name.rjust(w) for (name, _), w in zip(columns, widths))]
+    lines += ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)

@@ -12,7 +12,9 @@ CPU (where bf16 is emulated and slower). Flax kernels are (in, out): PyTorch's w
 
 Activation checkpointing (`remat`) chooses what each block keeps for the backward pass:
   none   everything autodiff saves (fastest, most memory)
-  dots   only the outputs of the matmuls; norms, rotary, ReLU^2 and attention are recomputed
+  dots   the outputs of the matmuls and of cuDNN attention's forward (its output and softmax
+         statistics, what its backward reads); norms, rotary and ReLU^2 are recomputed, and so is
+         attention on the XLA path (its scores are a batched matmul: T x T per head, too large to keep)
   block  only the block's input; the whole block is recomputed
 """
 
@@ -31,9 +33,22 @@ from jaxchat.loss import DEFAULT_CHUNK_LEN, softcap_logits, token_losses, token_
 VOCAB_PAD_MULTIPLE = 64
 ROTARY_BASE = 10_000
 ROTARY_LENGTH_FACTOR = 10  # rotary positions exist for 10x the training length (for generation)
+# The primitives of cuDNN flash attention's forward as jax.nn.dot_product_attention traces it (JAX's
+# jax/_src/cudnn/fused_attention_stablehlo.py): the wrapper is what a checkpoint policy sees.
+CUDNN_ATTENTION_FORWARD = frozenset({"dot_product_attention_fwd_wrapper", "dot_product_attention_fwd"})
+
+
+def _cudnn_attention_saveable(prim, *_, **__) -> bool:
+    """Keep cuDNN attention's forward results: its backward then reads them instead of running the
+    forward kernel again. Costs per layer B x T x C in bf16 (the output) + B x H x T in float32 (the
+    softmax statistics)."""
+    return prim.name in CUDNN_ATTENTION_FORWARD
+
+
 REMAT_POLICIES = {
     "none": None,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots": jax.checkpoint_policies.save_from_both_policies(jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                                                            _cudnn_attention_saveable),
     "block": jax.checkpoint_policies.nothing_saveable,
 }
 

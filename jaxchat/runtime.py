@@ -6,10 +6,11 @@ not set (a flag already in $XLA_FLAGS, or a fraction already in the environment,
 the run will be on a GPU: CPU runs start exactly as they would without it.
 
 An unknown XLA flag aborts the process at start-up, so the set is small and made of flags that XLA
-marks [Stable] in its own help text (tests/test_runtime.py starts JAX with them). Flags that have been
-renamed between releases (the collective pipelining switches, xla_gpu_enable_pipelined_* ->
-xla_gpu_pipeline_*) are left out for that reason. Sources: JAX's "GPU performance tips", NVIDIA
-JAX-Toolbox's "Tips for high-performance LLMs with JAX and XLA", and MaxText's H100 (a3) recipes.
+marks [Stable] in its own help text, or whose trade-off that text documents (the slop factor);
+tests/test_runtime.py starts JAX with them. Flags that have been renamed between releases (the
+collective pipelining switches, xla_gpu_enable_pipelined_* -> xla_gpu_pipeline_*) are left out for
+that reason. Sources: JAX's "GPU performance tips", NVIDIA JAX-Toolbox's "Tips for high-performance
+LLMs with JAX and XLA", and MaxText's H100 (a3) recipes.
 """
 
 import glob
@@ -27,6 +28,13 @@ GPU_XLA_FLAGS = {
     # model's matmuls are large bf16 GEMMs where cuBLAS is at its best, and compilation skips
     # autotuning Triton tilings for each of them.
     "xla_gpu_enable_triton_gemm": "false",
+    # The latency-hiding scheduler trades memory for overlap up to this percentage of the device's
+    # memory (XLA's default: 95, above the 90% pool of GPU_MEMORY_FRACTION). At 95, d20 at device batch
+    # 32 on 8 H100s is scheduled with every layer's MLP and attention weight-gradient matmul deferred to
+    # the gradients' reduce-scatter, which keeps their bf16 inputs alive: 16 GiB more per device than on
+    # one device (XLA's buffer assignment of the step compiled for an H100 target; docs/benchmarks.md).
+    # At 25 the scheduler orders for memory first once a step needs more than a quarter of the device.
+    "xla_gpu_memory_limit_slop_factor": "25",
 }
 
 # JAX preallocates 75% of GPU memory by default; d20 at device batch 32 needs more of an 80 GB H100.
@@ -37,6 +45,20 @@ MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 
 # The CUDA plugin of JAX, as a PJRT plugin module or the plugin package (CUDA 12 and 13 builds).
 CUDA_PLUGIN_MODULES = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13", "jax_cuda12_plugin", "jax_cuda13_plugin")
+
+
+def gpu_compiler_options(environ: Mapping[str, str] = os.environ) -> dict[str, bool | int | str]:
+    """The GPU flags that environ's XLA_FLAGS does not set, as compiler options for
+    `.compile(compiler_options=...)`, which wants typed values ('false' as a string is refused): a step
+    compiled ahead of time for a GPU target gets the options a GPU run gets, and the user's flags win
+    there as they do in a run (XLA reads XLA_FLAGS for every compilation)."""
+    def typed(value: str) -> bool | int | str:
+        if value in ("true", "false"):
+            return value == "true"
+        return int(value) if value.isdigit() else value
+
+    present = xla_flag_names(environ.get("XLA_FLAGS", ""))
+    return {name: typed(value) for name, value in GPU_XLA_FLAGS.items() if name not in present}
 
 
 def xla_flag_names(xla_flags: str) -> set[str]:
@@ -62,7 +84,8 @@ def gpu_defaults(environ: Mapping[str, str]) -> dict[str, str]:
     return changes
 
 
-def _cuda_plugin_installed() -> bool:
+def cuda_plugin_installed() -> bool:
+    """Whether JAX's CUDA plugin is importable (what compiling for a GPU target needs, GPU or not)."""
     for name in CUDA_PLUGIN_MODULES:
         try:
             if importlib.util.find_spec(name) is not None:
@@ -82,7 +105,7 @@ def will_run_on_gpu(device_type: str = "", environ: Mapping[str, str] = os.envir
         return any(p.strip() in ("cuda", "gpu") for p in platforms.split(","))
     if environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
         return False
-    return _cuda_plugin_installed() and bool(glob.glob("/dev/nvidia[0-9]*"))
+    return cuda_plugin_installed() and bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
 def apply_gpu_defaults(device_type: str = "", environ: MutableMapping[str, str] = os.environ) -> list[str]:

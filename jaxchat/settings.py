@@ -214,10 +214,10 @@ def _argparse_type(field: dataclasses.Field):
     return field.type
 
 
-def build_parser(description: str = "Pretrain base model") -> argparse.ArgumentParser:
-    """The command line of RunSettings. Its defaults are SUPPRESSed, so that a parse holds only the flags
-    given (a recipe fills the rest); --help shows the default of the default recipe."""
-    parser = argparse.ArgumentParser(description=description, argument_default=argparse.SUPPRESS)
+def add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per RunSettings field, in its group. Their defaults are SUPPRESSed, so that a parse holds
+    only the flags given (the recipe fills the rest: settings_from_flags); --help shows the default of the
+    default recipe."""
     groups: dict[str, Any] = {}
     for field in cli_fields():
         group = groups.setdefault(field.metadata["group"], parser.add_argument_group(field.metadata["group"]))
@@ -225,10 +225,16 @@ def build_parser(description: str = "Pretrain base model") -> argparse.ArgumentP
         if field.metadata["recipes"] is not None:
             help_text += f"; recipes {', '.join(field.metadata['recipes'])} only"
         if field.type is bool:
-            group.add_argument(flag_name(field.name), action="store_true", help=help_text)
+            group.add_argument(flag_name(field.name), action="store_true", default=argparse.SUPPRESS, help=help_text)
         else:
             group.add_argument(flag_name(field.name), type=_argparse_type(field), choices=field.metadata["choices"],
-                               help=help_text)
+                               default=argparse.SUPPRESS, help=help_text)
+
+
+def build_parser(description: str = "Pretrain base model") -> argparse.ArgumentParser:
+    """scripts.train's command line: the settings' flags and nothing else."""
+    parser = argparse.ArgumentParser(description=description)
+    add_setting_flags(parser)
     return parser
 
 
@@ -241,8 +247,14 @@ def _check_recipe_has(recipe: Recipe, name: str) -> None:
                             f"{', '.join(owners)} (--recipe)")
 
 
-def parse_settings(argv: list[str] | None = None) -> RunSettings:
-    """The checked settings of a command line: field defaults, then the recipe's, then the flags given.
-    Raises SettingsError (argparse itself exits on a malformed flag)."""
-    given = vars(build_parser().parse_args(argv))
+def settings_from_flags(namespace: argparse.Namespace) -> RunSettings:
+    """The checked settings of a parse by a parser with add_setting_flags (other attributes are ignored):
+    field defaults, then the recipe's, then the flags given. Raises SettingsError."""
+    names = {field.name for field in cli_fields()}
+    given = {name: value for name, value in vars(namespace).items() if name in names}
     return RunSettings.for_recipe(given.pop("recipe", DEFAULT_RECIPE), **given)
+
+
+def parse_settings(argv: list[str] | None = None) -> RunSettings:
+    """The checked settings of a command line. Raises SettingsError (argparse itself exits on a malformed flag)."""
+    return settings_from_flags(build_parser().parse_args(argv))

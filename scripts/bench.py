@@ -31,158 +31,36 @@ its CPU cost, and the size and restore time of its checkpoint state.
 """
 
 import argparse
-import collections
-import contextlib
-import itertools
 import dataclasses
+import itertools
 import json
-import math
 import os
-import re
-import resource
 import statistics
 import tempfile
 import time
-
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxchat.common import peak_flops_per_device, quiet_jax_warnings, tree_nbytes
+from jaxchat.common import format_table, quiet_jax_warnings, tree_nbytes
 from jaxchat.engine import Engine
-from jaxchat.gpt import GPT, REMAT_POLICIES, GPTConfig, estimate_flops
-from jaxchat.mesh import batch_sharding, make_mesh, put_batch
-from jaxchat.muon import polar_express_flops
-from jaxchat.run import RunSettings, abstract_batch, build_run
+from jaxchat.gpt import GPT, REMAT_POLICIES, GPTConfig
+from jaxchat.hlo import SLICED_ALL_REDUCE
+from jaxchat.memory import memory_estimate
+from jaxchat.run import RunSettings, build_run
 from jaxchat.runtime import GPU_MEMORY_FRACTION
-from jaxchat.trainer import abstract_model
+from jaxchat.step_timing import time_train_step
 
 TARGET_TOKENS_PER_S = 1e6  # what a d20 run on 8 H100s consumes per host
 FINEWEB_CROPPED_FRACTION = 0.35  # nanochat's figure for best-fit packing at T=2048 on FineWeb-Edu
+DEFAULTS = RunSettings()  # scripts.train's defaults: the model shape flags below default to them
+SPEEDRUN_VOCAB_SIZE = 65536  # scripts.tok_train's --vocab-size in the speedrun
 
 
-def print_table(results: list[dict], columns: list[tuple[str, str]]) -> None:
-    cells = [[fmt.format(r[name]) if r.get(name) is not None else "n/a" for name, fmt in columns] for r in results]
-    widths = [max(len(name), *(len(row[i]) for row in cells)) for i, (name, _) in enumerate(columns)]
-    print("  ".join(name.rjust(w) for (name, _), w in zip(columns, widths)))
-    for row in cells:
-        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
-
-
-def timed(fn, *args, repeats: int) -> float:
-    """Seconds per call of an already compiled fn, after one warm-up call."""
-    jax.block_until_ready(fn(*args))
-    start = time.perf_counter()
-    for _ in range(repeats):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / repeats
-
-
-def xla_flops(compiled) -> float:
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # a list in older JAX versions
-    return float(cost.get("flops", 0.0))
-
-
-def cpu_matmul_flops_per_s(n: int = 1024, repeats: int = 20) -> float:
-    """float32 matmul rate of one CPU device: the denominator of MFU where no peak is published."""
-    a = jnp.ones((n, n), jnp.float32)
-    matmul = jax.jit(lambda x: x @ x).lower(a).compile()
-    return 2 * n**3 / timed(matmul, a, repeats=repeats)
-
-
-def peak_memory_bytes(devices) -> tuple[int, str]:
-    """Peak device memory if the backend reports it, else the process's peak resident host memory."""
-    stats = [d.memory_stats() or {} for d in devices]
-    peak = max((s.get("peak_bytes_in_use", 0) for s in stats), default=0)
-    if peak:
-        return peak, "device"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "host RSS"
-
-
-def bench_train(*, depth: int, aspect_ratio: int = 64, head_dim: int = 128, max_seq_len: int = 2048,
-                device_batch_size: int = 32, grad_accum: int = 1, vocab_size: int = 65536,
-                window_pattern: str = "SSSL", num_devices: int = -1, fsdp: bool = False, steps: int = 10,
-                attention: str | None = None, remat: str = RunSettings.remat, breakdown: bool = True) -> dict:
-    """The train step that scripts.train builds for these flags (jaxchat.run), on random tokens.
-    breakdown=False leaves out forward+backward alone and the update alone (two more compilations)."""
-    mesh = make_mesh(num_devices)
-    world = mesh.devices.size
-    tokens_per_step = grad_accum * device_batch_size * world * max_seq_len
-    settings = RunSettings(depth=depth, aspect_ratio=aspect_ratio, head_dim=head_dim, max_seq_len=max_seq_len,
-                           window_pattern=window_pattern, num_iterations=1000, device_batch_size=device_batch_size,
-                           total_batch_size=tokens_per_step, num_devices=world, fsdp=fsdp,
-                           attention=attention or "auto", remat=remat)
-    run = build_run(settings, vocab_size, mesh=mesh)
-    config, optimizer, state = run.config, run.optimizer, run.init_state()
-    rng = np.random.default_rng(0)
-    shape = (grad_accum, device_batch_size * world, max_seq_len)
-    spec = batch_sharding(mesh)
-    inputs = put_batch(rng.integers(0, vocab_size, shape, dtype=np.int32), spec)
-    targets = put_batch(rng.integers(0, vocab_size, shape, dtype=np.int32), spec)
-
-    # the whole train step, compiled once, as scripts.train runs it
-    start = time.perf_counter()
-    step = run.train_step().lower(state.params, state.opt_state, inputs, targets).compile()
-    compile_s = time.perf_counter() - start
-    params, opt_state = state.params, state.opt_state
-    params, opt_state, metrics = step(params, opt_state, inputs, targets)  # warm-up
-    jax.block_until_ready(metrics)
-    start = time.perf_counter()
-    for _ in range(steps):
-        params, opt_state, metrics = step(params, opt_state, inputs, targets)
-    jax.block_until_ready((params, opt_state, metrics))
-    step_s = (time.perf_counter() - start) / steps
-
-    # forward+backward of one micro-batch alone, and one optimizer update alone
-    flops_per_token = estimate_flops(config)
-    micro_tokens = device_batch_size * world * max_seq_len
-    fwd_bwd_s = update_s = xla_over_estimate = None
-    if breakdown:
-        graphdef = state.graphdef
-
-        def loss_fn(p, x, y):
-            return nnx.merge(graphdef, p)(x, y)
-
-        fwd_bwd = jax.jit(jax.value_and_grad(loss_fn)).lower(params, inputs[0], targets[0]).compile()
-        fwd_bwd_s = timed(fwd_bwd, params, inputs[0], targets[0], repeats=steps)
-        _, grads = fwd_bwd(params, inputs[0], targets[0])
-        update = jax.jit(optimizer.update).lower(grads, opt_state, params).compile()
-        update_s = timed(update, grads, opt_state, params, repeats=steps)
-        xla_over_estimate = xla_flops(fwd_bwd) * world / (flops_per_token * micro_tokens)
-
-    tok_per_s = tokens_per_step / step_s
-    model_flops_per_s = flops_per_token * tok_per_s
-    device = mesh.devices.flat[0]
-    peak = peak_flops_per_device(device)
-    peak_kind = "bf16 peak"
-    if peak is None and device.platform == "cpu":
-        peak, peak_kind = cpu_matmul_flops_per_s(), "f32 matmul"
-    memory, memory_kind = peak_memory_bytes(jax.local_devices())
-    return {
-        "config": f"d{depth} T{max_seq_len} B{device_batch_size}x{world}x{grad_accum} V{vocab_size} {window_pattern} remat={remat}"
-                  + (" fsdp" if fsdp else ""),
-        "params": sum(x.size for x in jax.tree.leaves(params)),
-        "device": f"{world}x {device.device_kind}",
-        "compile_s": compile_s,
-        "step_ms": 1e3 * step_s,
-        "fwd_bwd_ms": 1e3 * fwd_bwd_s if breakdown else None,
-        "update_ms": 1e3 * update_s if breakdown else None,
-        "update_share": update_s / step_s if breakdown else None,
-        "tok_per_s": tok_per_s,
-        "model_tflops": model_flops_per_s / 1e12,
-        "mfu": model_flops_per_s / (peak * world) if peak else None,
-        "mfu_against": peak_kind if peak else None,
-        "xla_over_estimate": xla_over_estimate,
-        # Polar Express costs the same whatever the batch: against the model's FLOPs of one whole step
-        "polar_over_model": polar_express_flops(
-            [x.shape for x in jax.tree.leaves(params["blocks"])]) / (flops_per_token * tokens_per_step),
-        "peak_memory_gib": memory / 2**30,
-        "memory_kind": memory_kind,
-    }
+def print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
+    print(format_table(rows, columns))
 
 
 def bench_loader(tokenizer, data_dir: str | None = None, *, seq_len: int = 2048, batch_size: int = 32,
@@ -319,317 +197,6 @@ def bench_decode(*, depth: int, max_seq_len: int, vocab_size: int, tokens: int =
     return results
 
 
-# ---- memory and communication of a train step, from shapes alone ---------------------------------
-COLLECTIVE_KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
-SLICED_ALL_REDUCE = "reduce-scatter*"  # an all-reduce each device slices to its 1/N: XLA:GPU makes it a reduce-scatter
-ASSUMED_CUDNN_VERSION = 91000  # cuDNN 9.10: past every version check of the attention gate
-ASSUMED_COMPUTE_CAPABILITY = (9, 0)  # H100
-
-
-def dtype_bytes(name: str) -> int:
-    """Bytes per element of an HLO or StableHLO element type (f32, bf16, s32, i1, pred, f8e4m3fn, ...)."""
-    if name in ("pred", "i1"):
-        return 1
-    digits = re.search(r"\d+", name)
-    return max(1, int(digits.group()) // 8) if digits else 0  # no digits: token, opaque
-
-
-@contextlib.contextmanager
-def cudnn_without_gpu():
-    """Let jax.nn.dot_product_attention(implementation='cudnn') trace and lower for CUDA where there is
-    no cuDNN: its version gate asks the installed cuDNN and the GPU's compute capability, so answer as
-    cuDNN 9.10 on an H100 would, inside this block only. Yields 'real' (a cuDNN answers: nothing
-    changed), 'assumed' (the gate answered as above) or 'unavailable' (this JAX keeps its gate
-    elsewhere: cuDNN attention cannot be traced here). Only shapes and lowered programs come out of
-    such a block: nothing runs."""
-    try:
-        from jax._src.cudnn import fused_attention_stablehlo as fused
-
-        saved = fused.check_cudnn_version, fused.check_compute_capability
-    except (ImportError, AttributeError):
-        fused = None
-    if fused is None:
-        yield "unavailable"
-        return
-    try:
-        fused.check_cudnn_version()
-        present = True
-    except RuntimeError:  # "cuDNN is not detected"
-        present = False
-    if present:
-        yield "real"
-        return
-    fused.check_cudnn_version = lambda: ASSUMED_CUDNN_VERSION
-    fused.check_compute_capability = lambda capability: tuple(map(int, capability.split("."))) <= ASSUMED_COMPUTE_CAPABILITY
-    try:
-        yield "assumed"
-    finally:
-        fused.check_cudnn_version, fused.check_compute_capability = saved
-
-
-def kept_activations(fn, *args) -> list[dict]:
-    """What the backward pass of fn keeps from its forward pass (JAX's saved residuals), largest first,
-    less fn's arguments themselves (parameters and batch exist anyway). Each: bytes, dtype, shape, source."""
-    from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved_residuals, which prints the list
-
-    kept = []
-    for aval, source in saved_residuals(fn, *args):
-        if source.startswith("from the argument"):
-            continue
-        source = re.sub(r"\S*/([\w.]+\.py)", r"\1", source)  # file names without their directories
-        kept.append({"bytes": math.prod(aval.shape) * aval.dtype.itemsize, "dtype": str(aval.dtype),
-                     "shape": tuple(aval.shape), "source": source})
-    return sorted(kept, key=lambda r: -r["bytes"])
-
-
-def group_kept(kept: list[dict], top: int) -> list[dict]:
-    """Kept arrays of the same dtype, shape and source (one per layer, typically) as one row with a
-    count and their total bytes; the `top` largest totals."""
-    groups = {}
-    for row in kept:
-        group = groups.setdefault((row["dtype"], row["shape"], row["source"]), {**row, "count": 0, "total_bytes": 0})
-        group["count"] += 1
-        group["total_bytes"] += row["bytes"]
-    return sorted(groups.values(), key=lambda g: -g["total_bytes"])[:top]
-
-
-def stablehlo_tensors(text: str) -> list[dict]:
-    """Every distinct tensor type in StableHLO text (tensor<32x2048x1280xbf16>) with how often it is
-    written: bytes (of one), dtype, shape, count."""
-    counts = collections.Counter(re.findall(r"tensor<((?:\d+x)*)([a-zA-Z]\w*)>", text))
-    return [{"bytes": math.prod(shape) * dtype_bytes(dtype), "dtype": dtype, "shape": shape, "count": count}
-            for (dims, dtype), count in counts.items() for shape in [tuple(int(d) for d in dims.split("x") if d)]]
-
-
-@dataclasses.dataclass
-class HloInstruction:
-    opcode: str
-    arrays: list[tuple[str, tuple[int, ...]]]  # (dtype, shape) of each array in the result type
-    operands: list[str]
-    attributes: str
-
-    @property
-    def numel(self) -> int:
-        return sum(math.prod(shape) for _, shape in self.arrays)
-
-
-def parse_hlo(text: str) -> dict[str, HloInstruction]:
-    """The instructions of HLO text by name (names are unique across the module's computations)."""
-    instructions = {}
-    for match in re.finditer(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$", text, re.MULTILINE):
-        name, result_type, opcode, rest = match.groups()
-        depth, end = 1, len(rest)
-        for i, char in enumerate(rest):  # the operand list ends at the matching parenthesis
-            depth += {"(": 1, ")": -1}.get(char, 0)
-            if depth == 0:
-                end = i
-                break
-        arrays = [(dtype, tuple(int(d) for d in dims.split(",") if d))
-                  for dtype, dims in re.findall(r"([a-z][a-z0-9]*)\[([\d,]*)\]", result_type)]
-        instructions[name] = HloInstruction(opcode, arrays, re.findall(r"%([\w.\-]+)", rest[:end]), rest[end + 1:])
-    return instructions
-
-
-def replica_group_size(attributes: str, num_devices: int) -> int:
-    """Devices in each replica group: {{0,1,2,3},{4,5,6,7}}, the iota form [2,4]<=[8], or the mesh form
-    mesh['axis_0'=8,'axis_1'=1] {'axis_0'}; no groups ({}) means all devices."""
-    if m := re.search(r"replica_groups=\{\{([\d,]*)\}", attributes):
-        return len(m.group(1).split(","))
-    if m := re.search(r"replica_groups=\[\d+,(\d+)\]<=", attributes):
-        return int(m.group(1))
-    if m := re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attributes):
-        sizes = {axis: int(size) for axis, size in re.findall(r"'(\w+)'=(\d+)", m.group(1))}
-        return math.prod(sizes[axis] for axis in re.findall(r"'(\w+)'", m.group(2)))
-    return num_devices
-
-
-def _sliced_to_shards(name: str, numel: int, group: int, instructions: dict, users: dict) -> bool:
-    """Whether every use of a value takes a 1/group slice of it (through reshapes, copies and converts)."""
-    uses = users.get(name, [])
-    for user in uses:
-        inst = instructions[user]
-        if inst.opcode == "dynamic-slice" and inst.numel * group == numel:
-            continue
-        if inst.opcode in ("bitcast", "reshape", "copy", "transpose", "convert") and inst.numel == numel \
-                and _sliced_to_shards(user, numel, group, instructions, users):
-            continue
-        return False
-    return bool(uses)
-
-
-def hlo_collectives(text: str, num_devices: int) -> list[dict]:
-    """The collectives in HLO text, each with its kind, group size n, size in bytes and the bytes it
-    moves per device, by the ring convention:
-      all-reduce          2(n-1)/n x size      (size: the reduced array)
-      reduce-scatter      (n-1)/n x full size  (full size: the array before scattering)
-      all-gather          (n-1)/n x full size  (full size: the gathered array)
-      all-to-all          (n-1)/n x size
-      collective-permute  size
-    An async pair (all-reduce-start/-done, ...) counts once, by its -start; reduce-scatters and
-    all-to-alls that XLA wraps in async-start keep their plain op in the wrapped computation.
-    An all-reduce of which each device only uses its 1/n slice (how the SPMD partitioner writes a
-    reduce-scatter, before XLA:GPU's reduce-scatter creator rewrites it) counts as a reduce-scatter,
-    kind SLICED_ALL_REDUCE. A collective inside a loop body counts once, whatever the trip count."""
-    instructions = parse_hlo(text)
-    users = collections.defaultdict(list)
-    for name, inst in instructions.items():
-        for operand in set(inst.operands):
-            users[operand].append(name)
-    found = []
-    for name, inst in instructions.items():
-        kind = inst.opcode.removesuffix("-start")
-        if kind not in COLLECTIVE_KINDS:
-            continue
-        arrays = inst.arrays
-        if inst.opcode == "all-gather-start":  # result: (operands, gathered)
-            arrays = arrays[len(arrays) // 2:]
-        elif inst.opcode == "collective-permute-start":  # result: (operand, output, contexts)
-            arrays = arrays[1:2]
-        size = sum(math.prod(shape) * dtype_bytes(dtype) for dtype, shape in arrays)
-        n = 1 if kind == "collective-permute" else replica_group_size(inst.attributes, num_devices)
-        if kind == "all-reduce" and inst.opcode == "all-reduce" and n > 1:
-            if len(arrays) == 1:
-                parts = [(name, inst.numel)]
-            else:  # a tuple: its parts are used through get-tuple-element
-                parts = [(user, instructions[user].numel) for user in users.get(name, [])]
-            if parts and all(_sliced_to_shards(part, numel, n, instructions, users) for part, numel in parts):
-                kind = SLICED_ALL_REDUCE
-        factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(kind, (n - 1) / n)
-        if kind == "reduce-scatter":  # the result is one shard: the full size is n times it
-            size *= n
-        found.append({"name": name, "kind": kind, "group": n, "bytes": size, "moved": factor * size})
-    return found
-
-
-def collective_summary(found: list[dict]) -> list[dict]:
-    """Count, size and bytes moved per device, per kind of collective, and in all."""
-    rows = []
-    for kind in (*COLLECTIVE_KINDS[:2], SLICED_ALL_REDUCE, *COLLECTIVE_KINDS[2:]):
-        of_kind = [c for c in found if c["kind"] == kind]
-        if of_kind:
-            rows.append({"kind": kind, "count": len(of_kind), "size_gib": sum(c["bytes"] for c in of_kind) / 2**30,
-                         "moved_gib": sum(c["moved"] for c in of_kind) / 2**30})
-    rows.append({"kind": "all", "count": len(found), "size_gib": sum(r["size_gib"] for r in rows),
-                 "moved_gib": sum(r["moved_gib"] for r in rows)})
-    return rows
-
-
-def partitioned_hlo(lowered) -> tuple[str, str]:
-    """Compile a lowered step and return (HLO text, what it is): the module right after XLA's SPMD
-    partitioner, where the collectives are as the program asks for them -- XLA:CPU's later passes run
-    bf16 all-reduces in float32 and leave reduce-scatters as all-reduce + slice, which XLA:GPU does
-    not --, or the optimised module where this XLA names its passes otherwise."""
-    with tempfile.TemporaryDirectory() as dump:
-        compiled = lowered.compile(compiler_options={"xla_dump_to": dump, "xla_dump_hlo_pass_re": "spmd-partitioning"})
-        dumped = sorted(name for name in os.listdir(dump) if "after_spmd-partitioning" in name)
-        if dumped:
-            with open(os.path.join(dump, dumped[-1])) as f:
-                return f.read(), "after SPMD partitioning"
-    return compiled.as_text(), "XLA:CPU's optimised module"
-
-
-def per_device_bytes(tree, shardings) -> int:
-    """Bytes one device holds of a tree of ShapeDtypeStructs laid out by these shardings."""
-    sizes = jax.tree.map(lambda x, s: math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize, tree, shardings)
-    return sum(jax.tree.leaves(sizes))
-
-
-def with_shardings(tree, shardings):
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-
-
-def abstract_step(settings: RunSettings, vocab_size: int, mesh):
-    """The run of these settings (one micro-step per step), its jitted step and the step's abstract
-    arguments (ShapeDtypeStructs carrying their shardings)."""
-    world = mesh.devices.size
-    settings = dataclasses.replace(settings, num_iterations=1000, num_devices=world,
-                                   total_batch_size=settings.device_batch_size * settings.max_seq_len * world)
-    run = build_run(settings, vocab_size, mesh=mesh)
-    args = (with_shardings(run.state.params, run.state.param_shardings),
-            with_shardings(run.state.opt_state, run.state.opt_shardings), *abstract_batch(run))
-    return run, run.train_step(), args
-
-
-def bench_memory(*, depth: int, device_batch_size: int, max_seq_len: int = 2048, vocab_size: int = 65536,
-                 aspect_ratio: int = 64, head_dim: int = 128, window_pattern: str = "SSSL", num_devices: int = 1,
-                 fsdp: bool = False, remat: str = RunSettings.remat, attention: str = "cudnn", device_gib: float = 80.0,
-                 top: int = 10) -> dict:
-    """What one device holds during a train step, from abstract shapes (nothing is allocated): parameters,
-    optimizer state and gradients in their shardings over num_devices, the activations the backward
-    pass keeps for one device's micro-batch (bf16 compute, as on a GPU), the largest tensors of the step
-    lowered for CUDA, and, on several devices, the collectives of the step compiled on virtual CPU devices."""
-    notes = []
-    with cudnn_without_gpu() as gate:
-        if attention == "cudnn" and gate == "assumed":
-            major, minor = divmod(ASSUMED_CUDNN_VERSION // 100, 100)
-            notes.append(f"cuDNN attention traced and lowered past its version gate (no cuDNN here): cuDNN "
-                         f"{major}.{minor} on compute capability {'.'.join(map(str, ASSUMED_COMPUTE_CAPABILITY))} assumed")
-        elif attention == "cudnn" and gate == "unavailable":
-            attention = "xla"
-            notes.append("cuDNN attention cannot be traced without cuDNN in this JAX version: estimated with the "
-                         "XLA attention path (it keeps the T x T scores: more than cuDNN would)")
-        settings = RunSettings(depth=depth, aspect_ratio=aspect_ratio, head_dim=head_dim, max_seq_len=max_seq_len,
-                               window_pattern=window_pattern, device_batch_size=device_batch_size, fsdp=fsdp,
-                               remat=remat, attention=attention, compute_dtype="bfloat16")
-        # parameters, optimizer state, gradients: what the shardings over num_devices give one device
-        mesh = make_mesh(num_devices)
-        run, _, _ = abstract_step(settings, vocab_size, mesh)
-        config, state = run.config, run.state
-        params = per_device_bytes(state.params, state.param_shardings)
-        optimizer = per_device_bytes(state.opt_state, state.opt_shardings)
-        # make_train_step's float32 accumulator: the parameters' layout with FSDP, whole on each device with ZeRO-1
-        # (it is reduce-scattered once per step); one micro-step's gradients at most as much again
-        f32_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), state.params)
-        grad_sum = per_device_bytes(f32_params, state.param_shardings)
-        micro_grads = grad_sum
-
-        # the activations kept for the backward pass of one device's micro-batch
-        graphdef, abstract_params = nnx.split(abstract_model(config, **settings.model_kwargs()))
-        tokens = jax.ShapeDtypeStruct((device_batch_size, max_seq_len), jnp.int32)
-        kept = kept_activations(lambda p, x, y: nnx.merge(graphdef, p)(x, y), abstract_params, tokens, tokens)
-        activations = sum(r["bytes"] for r in kept)
-
-        # the step of one device's share, lowered for CUDA: its largest tensors
-        _, step, args = abstract_step(settings, vocab_size, make_mesh(1))
-        text = step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    lowered = stablehlo_tensors(text)
-    # float32 logits of the whole micro-batch, in any layout: a vocabulary dimension and B x T x vocab elements
-    logits_numel = device_batch_size * max_seq_len * vocab_size
-    full_logits = [t for t in lowered if t["dtype"] == "f32" and math.prod(t["shape"]) >= logits_numel
-                   and {vocab_size, config.padded_vocab_size} & set(t["shape"])]
-
-    total = params + optimizer + grad_sum + micro_grads + activations
-    gib = 2**30
-    budget = [{"what": what, "gib": value / gib} for what, value in (
-        ("parameters", params), ("optimizer state", optimizer), ("gradient accumulator", grad_sum),
-        ("micro-step gradients (upper bound)", micro_grads), ("kept activations", activations), ("total", total))]
-    result = {
-        "config": f"d{depth} T{max_seq_len} B{device_batch_size} V{vocab_size} {window_pattern} x{num_devices}"
-                  + (" fsdp" if fsdp else "") + f" remat={remat} attention={attention}",
-        "per_device": budget, "device_gib": device_gib, "headroom_gib": device_gib - total / gib,
-        "headroom_share": 1 - total / gib / device_gib,
-        "xla_share_gib": float(GPU_MEMORY_FRACTION) * device_gib,
-        "kept_largest": [{**g, "shape": list(g["shape"]), "gib": g["total_bytes"] / gib} for g in group_kept(kept, top)],
-        "lowered_largest": [{**t, "shape": list(t["shape"]), "gib": t["bytes"] / gib}
-                            for t in sorted(lowered, key=lambda t: -t["bytes"])[:top]],
-        "float32_logits_sized": [{**t, "shape": list(t["shape"])} for t in full_logits],
-        "notes": notes,
-    }
-    if num_devices > 1:
-        # collectives: the step compiled on num_devices CPU devices (cuDNN attention cannot compile on a
-        # CPU; attention has no collectives in this layout, so the XLA path stands in for it)
-        _, step, args = abstract_step(dataclasses.replace(settings, attention="xla"), vocab_size, mesh)
-        hlo, source = partitioned_hlo(step.trace(*args).lower())
-        found = hlo_collectives(hlo, num_devices)
-        num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
-        # ZeRO-1's minimum: reduce-scatter the float32 gradients once, all-gather the float32 parameters once
-        minimum = 2 * (num_devices - 1) / num_devices * 4 * num_params
-        summary = collective_summary(found)
-        result.update(collectives=summary, collectives_source=source, zero1_minimum_gib=minimum / gib,
-                      moved_over_minimum=summary[-1]["moved_gib"] * gib / minimum)
-    return result
-
-
 TRAIN_COLUMNS = [("config", "{}"), ("params", "{:,d}"), ("device", "{}"), ("compile_s", "{:.1f}"),
                  ("step_ms", "{:.1f}"), ("fwd_bwd_ms", "{:.1f}"), ("update_ms", "{:.1f}"), ("update_share", "{:.1%}"),
                  ("tok_per_s", "{:,.0f}"), ("model_tflops", "{:.4f}"), ("mfu", "{:.1%}"), ("mfu_against", "{}"),
@@ -652,11 +219,11 @@ LOADER_COLUMNS = [("workers", "{:d}"), ("tokens_per_s", "{:,.0f}"), ("read_per_s
 def main_train(args: argparse.Namespace) -> list[dict]:
     results = []
     for pattern, depth, remat in itertools.product(args.window_pattern, args.depth, args.remat):
-        results.append(bench_train(
-            depth=depth, aspect_ratio=args.aspect_ratio, head_dim=args.head_dim, max_seq_len=args.max_seq_len,
-            device_batch_size=args.device_batch_size, grad_accum=args.grad_accum, vocab_size=args.vocab_size,
-            window_pattern=pattern, num_devices=args.num_devices, fsdp=args.fsdp, steps=args.steps,
-            attention=args.attention, remat=remat))
+        settings = RunSettings(depth=depth, aspect_ratio=args.aspect_ratio, head_dim=args.head_dim,
+                               max_seq_len=args.max_seq_len, window_pattern=pattern,
+                               device_batch_size=args.device_batch_size, num_devices=args.num_devices, fsdp=args.fsdp,
+                               attention=args.attention or DEFAULTS.attention, remat=remat)
+        results.append(time_train_step(settings, args.vocab_size, grad_accum=args.grad_accum, steps=args.steps))
         print(f"... {results[-1]['config']}: {results[-1]['step_ms']:.1f} ms/step", flush=True)
     print_table(results, TRAIN_COLUMNS)
     print("update_share: one optimizer update alone over the whole step. xla_over_estimate: XLA's FLOPs of "
@@ -727,10 +294,11 @@ def shape_text(shape) -> str:
 
 
 def main_memory(args: argparse.Namespace) -> list[dict]:
-    result = bench_memory(depth=args.depth, device_batch_size=args.device_batch_size, max_seq_len=args.max_seq_len,
-                          vocab_size=args.vocab_size, aspect_ratio=args.aspect_ratio, head_dim=args.head_dim,
-                          window_pattern=args.window_pattern, num_devices=args.devices, fsdp=args.fsdp,
-                          remat=args.remat, attention=args.attention, device_gib=args.device_gb)
+    settings = RunSettings(depth=args.depth, aspect_ratio=args.aspect_ratio, head_dim=args.head_dim,
+                           max_seq_len=args.max_seq_len, window_pattern=args.window_pattern,
+                           device_batch_size=args.device_batch_size, fsdp=args.fsdp, remat=args.remat,
+                           attention=args.attention)
+    result = memory_estimate(settings, args.vocab_size, args.devices, device_gib=args.device_gb)
     print(result["config"] + " | per device, one micro-step per step, bf16 compute")
     for note in result["notes"]:
         print(note)
@@ -760,8 +328,8 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="what", required=True)
     train = sub.add_parser("train", help="the train step")
     train.add_argument("--depth", type=int, nargs="+", default=[4])
-    train.add_argument("--aspect-ratio", type=int, default=64)
-    train.add_argument("--head-dim", type=int, default=128)
+    train.add_argument("--aspect-ratio", type=int, default=DEFAULTS.aspect_ratio)
+    train.add_argument("--head-dim", type=int, default=DEFAULTS.head_dim)
     train.add_argument("--max-seq-len", type=int, default=512)
     train.add_argument("--device-batch-size", type=int, default=4)
     train.add_argument("--grad-accum", type=int, default=1)
@@ -771,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     train.add_argument("--fsdp", action="store_true")
     train.add_argument("--attention", choices=["cudnn", "xla"], default=None)
     train.add_argument("--steps", type=int, default=10, help="timed steps after one warm-up step")
-    train.add_argument("--remat", nargs="+", choices=list(REMAT_POLICIES), default=[RunSettings.remat],
+    train.add_argument("--remat", nargs="+", choices=list(REMAT_POLICIES), default=[DEFAULTS.remat],
                        help="one row per policy (default: scripts.train's)")
     checkpoint = sub.add_parser("checkpoint", help="async against blocking checkpoint saves; sizes")
     checkpoint.add_argument("--depth", type=int, default=4)
@@ -797,17 +365,17 @@ def main(argv: list[str] | None = None) -> None:
     loader.add_argument("--buffer-docs", type=int, default=1000)
     loader.add_argument("--batches", type=int, default=20, help="timed batches per setting")
     memory = sub.add_parser("memory", help="what one device holds in a train step, and its collectives: from shapes")
-    memory.add_argument("--depth", type=int, default=20)
-    memory.add_argument("--device-batch-size", type=int, default=32)
-    memory.add_argument("--max-seq-len", type=int, default=2048)
-    memory.add_argument("--vocab-size", type=int, default=65536)
-    memory.add_argument("--aspect-ratio", type=int, default=64)
-    memory.add_argument("--head-dim", type=int, default=128)
-    memory.add_argument("--window-pattern", default="SSSL")
+    memory.add_argument("--depth", type=int, default=DEFAULTS.depth)
+    memory.add_argument("--device-batch-size", type=int, default=DEFAULTS.device_batch_size)
+    memory.add_argument("--max-seq-len", type=int, default=DEFAULTS.max_seq_len)
+    memory.add_argument("--vocab-size", type=int, default=SPEEDRUN_VOCAB_SIZE)
+    memory.add_argument("--aspect-ratio", type=int, default=DEFAULTS.aspect_ratio)
+    memory.add_argument("--head-dim", type=int, default=DEFAULTS.head_dim)
+    memory.add_argument("--window-pattern", default=DEFAULTS.window_pattern)
     memory.add_argument("--devices", type=int, default=1, help="devices of the data axis; >1 also compiles the step "
                         "on that many virtual CPU devices and lists its collectives")
     memory.add_argument("--fsdp", action="store_true")
-    memory.add_argument("--remat", choices=list(REMAT_POLICIES), default=RunSettings.remat, help="(default: scripts.train's)")
+    memory.add_argument("--remat", choices=list(REMAT_POLICIES), default=DEFAULTS.remat, help="(default: scripts.train's)")
     memory.add_argument("--attention", choices=["cudnn", "xla"], default="cudnn")
     memory.add_argument("--device-gb", type=float, default=80.0, help="device memory to compare with, GiB")
     args = parser.parse_args(argv)

@@ -4,6 +4,15 @@ lent for a few minutes:
 
     python -m scripts.gpu_check --json $OUT/gpu.json --budget-s 480
 
+and, with no GPU at all (the `cuda12` extra installed, JAX_PLATFORMS=cpu), the real train step compiled
+for 1 and 8 H100s (jaxchat.compile_only): peak memory per device and its parts, cuDNN attention calls
+with their windows, GEMMs by library (fp8 apart), collectives with the bytes each device moves, compile
+time; exit 1 if the step does not compile or its peak is above XLA's pool:
+
+    python -m scripts.gpu_check --compile-only [--devices 1 8] [--depth 20 --device-batch-size 32 ...]
+
+Every flag of scripts.train (jaxchat.settings) is a flag of --compile-only (--remat, --window-pattern, ...).
+
 Each measurement runs in a process of its own, in this order (the first answers whether d20 fits):
   environment   JAX, jaxlib, the devices and their memory, the XLA flags in effect
   memory_d20    compile only: XLA's memory analysis of the d20 train step at device batch 32 on this
@@ -38,40 +47,45 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOLERANCE = 2e-2  # relative to the output scale: a few bf16 ulps accumulated over the softmax
-H100_BYTES = 81559 * 2**20  # an H100 80GB SXM's memory as nvidia-smi reports it
 ZERO1_DEVICES = 8  # one host of nanochat's speedrun
 ENVIRONMENT_TIMEOUT_S = 120  # starting JAX on a busy or cold machine, whatever the budget
+SPEEDRUN_VOCAB_SIZE = 65536  # scripts.tok_train's --vocab-size in the speedrun
 
 
 @dataclasses.dataclass(frozen=True)
-class Item:
-    name: str
-    gpu_s: float  # estimated cost on an H100/H200 on first contact, compilation included
-    cpu_s: float  # the d2 version on a CPU (--allow-cpu)
+class Sizes:
+    """The models the measurements use: nanochat's on a GPU, d2 on a CPU (every path, in seconds)."""
+
+    big: dict  # the d20 step: depth, max_seq_len, vocab_size, device_batch_size
+    small: dict  # the d12 step
+    attention: list[tuple]  # (batch, T, heads, kv heads, head dim, window): sliding, full, GQA, odd sizes
+    window: tuple  # (batch, T, heads, head dim) of the window T/2 against T timing
 
 
-ITEMS = [Item("environment", 20, 5), Item("memory_d20", 150, 10), Item("step_d20", 90, 10),
-         Item("windows_d12", 120, 15), Item("attention", 45, 5), Item("flags_off", 75, 10)]
+def device_batch_size(args: argparse.Namespace) -> int:
+    """--device-batch-size as given, else the settings' default (the settings' flags are SUPPRESSed)."""
+    from jaxchat.settings import RunSettings
+
+    return getattr(args, "device_batch_size", RunSettings.device_batch_size)
 
 
-def sizes(cpu: bool, device_batch_size: int) -> dict:
-    """The models each measurement uses: nanochat's on a GPU, d2 on a CPU (every path, in seconds)."""
+def sizes(cpu: bool, device_batch_size: int) -> Sizes:
     if cpu:
         tiny = dict(depth=2, max_seq_len=256, vocab_size=1024, device_batch_size=2)  # T above the loss chunk
-        return {"big": tiny, "small": tiny, "attention": [(1, 128, 2, 2, 64, 32)], "window": (1, 128, 2, 64)}
-    return {"big": dict(depth=20, max_seq_len=2048, vocab_size=65536, device_batch_size=device_batch_size),
-            "small": dict(depth=12, max_seq_len=2048, vocab_size=65536, device_batch_size=device_batch_size),
-            # (batch, T, heads, kv heads, head dim, window): sliding, full, GQA, odd sizes
-            "attention": [(2, 2048, 10, 10, 128, 1024), (2, 2048, 10, 10, 128, 2048), (2, 2048, 8, 2, 128, 1024),
-                          (2, 1000, 6, 6, 64, 300)],
-            "window": (16, 2048, 10, 128)}
+        return Sizes(big=tiny, small=tiny, attention=[(1, 128, 2, 2, 64, 32)], window=(1, 128, 2, 64))
+    return Sizes(big=dict(depth=20, max_seq_len=2048, vocab_size=SPEEDRUN_VOCAB_SIZE, device_batch_size=device_batch_size),
+                 small=dict(depth=12, max_seq_len=2048, vocab_size=SPEEDRUN_VOCAB_SIZE, device_batch_size=device_batch_size),
+                 attention=[(2, 2048, 10, 10, 128, 1024), (2, 2048, 10, 10, 128, 2048), (2, 2048, 8, 2, 128, 1024),
+                            (2, 1000, 6, 6, 64, 300)],
+                 window=(16, 2048, 10, 128))
 
 
 # ---- the measurements (each runs in a child process) -----------------------------------------------
-def check_environment(args, size) -> dict:
+def check_environment(args, size: Sizes) -> dict:
     import jax
 
     from jaxchat.runtime import MEM_FRACTION_ENV
@@ -90,17 +104,19 @@ def check_environment(args, size) -> dict:
             "summary": f"jax {jax.__version__}, {jax.device_count()} x {device.device_kind}, backend {jax.default_backend()}"}
 
 
-def check_memory(args, size) -> dict:
+def check_memory(args, sizes: Sizes) -> dict:
     """Compile only: the fit answer. XLA's memory analysis of the step on this one device (all of the
     optimizer state), then less 7/8 of the optimizer state, which
     ZeRO-1 over 8 devices leaves each device 1/8 of, against an H100's pool at the memory fraction."""
     import jax
 
     from jaxchat.common import tree_nbytes
+    from jaxchat.compile_only import abstract_step, target_pool_bytes
+    from jaxchat.hlo import parse_hlo
     from jaxchat.mesh import make_mesh
-    from jaxchat.runtime import GPU_MEMORY_FRACTION
     from jaxchat.run import RunSettings
-    from scripts.bench import abstract_step, parse_hlo
+
+    size = sizes.big
 
     settings = RunSettings(depth=size["depth"], max_seq_len=size["max_seq_len"], device_batch_size=size["device_batch_size"])
     run, step, step_args = abstract_step(settings, size["vocab_size"], make_mesh(1))
@@ -115,7 +131,7 @@ def check_memory(args, size) -> dict:
               + analysis.temp_size_in_bytes)
     shrinks = (1 - 1 / ZERO1_DEVICES) * tree_nbytes(state.opt_state)  # the gradient accumulator stays whole
     on_8 = needed - shrinks
-    h100_pool = H100_BYTES * float(GPU_MEMORY_FRACTION)
+    h100_pool = target_pool_bytes()
     limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
 
     hlo = compiled.as_text()
@@ -139,12 +155,13 @@ def check_memory(args, size) -> dict:
                        f"{'fits' if on_8 <= h100_pool else 'does NOT fit'} an H100's {h100_pool / gib:.1f} GiB pool"}
 
 
-def _train_step(size, pattern, steps) -> dict:
-    from scripts.bench import bench_train
+def _train_step(size: dict, pattern: str, steps: int) -> dict:
+    from jaxchat.run import RunSettings
+    from jaxchat.step_timing import time_train_step
 
-    return bench_train(depth=size["depth"], max_seq_len=size["max_seq_len"], vocab_size=size["vocab_size"],
-                       device_batch_size=size["device_batch_size"], window_pattern=pattern, num_devices=1,
-                       steps=steps, breakdown=False)
+    settings = RunSettings(depth=size["depth"], max_seq_len=size["max_seq_len"], window_pattern=pattern,
+                           device_batch_size=size["device_batch_size"], num_devices=1)
+    return time_train_step(settings, size["vocab_size"], steps=steps, breakdown=False)
 
 
 def _step_summary(row: dict) -> str:
@@ -152,19 +169,19 @@ def _step_summary(row: dict) -> str:
     return f"{row['config']}: {row['tok_per_s']:,.0f} tok/s{mfu}, peak {row['peak_memory_gib']:.1f} GiB"
 
 
-def check_step(args, size) -> dict:
-    row = _train_step(size, "SSSL", args.steps)
+def check_step(args, sizes: Sizes) -> dict:
+    row = _train_step(sizes.big, "SSSL", args.steps)
     return {**row, "summary": _step_summary(row)}
 
 
-def check_windows(args, size) -> dict:
-    rows = [_train_step(size, pattern, args.steps) for pattern in ("SSSL", "L")]
+def check_windows(args, sizes: Sizes) -> dict:
+    rows = [_train_step(sizes.small, pattern, args.steps) for pattern in ("SSSL", "L")]
     saved = 1 - rows[0]["step_ms"] / rows[1]["step_ms"]
     return {"rows": rows, "sssl_saves": saved, "summary": f"{_step_summary(rows[0])}; SSSL saves {saved:.0%} against L"}
 
 
-def check_flags_off(args, size) -> dict:
-    row = _train_step(size, "SSSL", args.steps)
+def check_flags_off(args, sizes: Sizes) -> dict:
+    row = _train_step(sizes.small, "SSSL", args.steps)
     return {**row, "xla_flags": os.environ.get("XLA_FLAGS", ""), "summary": _step_summary(row) + " without the GPU defaults"}
 
 
@@ -208,9 +225,9 @@ def attention_time(batch: int, seq_len: int, heads: int, head_dim: int, window: 
     return (time.perf_counter() - start) / repeats
 
 
-def check_attention(args, size) -> dict:
-    agreement = [attention_agreement(*case) for case in size["attention"]]
-    batch, seq_len, heads, head_dim = size["window"]
+def check_attention(args, sizes: Sizes) -> dict:
+    agreement = [attention_agreement(*case) for case in sizes.attention]
+    batch, seq_len, heads, head_dim = sizes.window
     half, full = (attention_time(batch, seq_len, heads, head_dim, w) for w in (seq_len // 2, seq_len))
     result = {"agreement": agreement, "window_half_ms": 1e3 * half, "window_full_ms": 1e3 * full,
               "window_saving": 1 - half / full,
@@ -221,9 +238,20 @@ def check_attention(args, size) -> dict:
     return result
 
 
-CHECKS = {"environment": check_environment, "memory_d20": check_memory, "step_d20": check_step,
-          "windows_d12": check_windows, "attention": check_attention, "flags_off": check_flags_off}
-SIZE_OF = {"memory_d20": "big", "step_d20": "big", "windows_d12": "small", "flags_off": "small"}
+@dataclasses.dataclass(frozen=True)
+class Item:
+    name: str
+    check: Callable[[argparse.Namespace, Sizes], dict]
+    gpu_s: float  # estimated cost on an H100/H200 on first contact, compilation included
+    cpu_s: float  # the d2 version on a CPU (--allow-cpu)
+
+
+ENVIRONMENT = Item("environment", check_environment, 20, 5)  # always runs first: it tells a GPU from a CPU
+WINDOWS = Item("windows_d12", check_windows, 120, 15)
+FLAGS_OFF = Item("flags_off", check_flags_off, 75, 10)  # runs without the GPU defaults, against WINDOWS' SSSL row
+ITEMS = [ENVIRONMENT, Item("memory_d20", check_memory, 150, 10), Item("step_d20", check_step, 90, 10), WINDOWS,
+         Item("attention", check_attention, 45, 5), FLAGS_OFF]
+ITEM_BY_NAME = {item.name: item for item in ITEMS}
 
 
 def run_item(args) -> int:
@@ -231,9 +259,9 @@ def run_item(args) -> int:
     from jaxchat.common import quiet_jax_warnings
 
     quiet_jax_warnings()
-    size = sizes(args.allow_cpu, args.device_batch_size)
+    size = sizes(args.allow_cpu, device_batch_size(args))
     try:
-        result = CHECKS[args.item](args, size.get(SIZE_OF.get(args.item), size))
+        result = ITEM_BY_NAME[args.item].check(args, size)
         error = result.pop("error", None)
     except Exception as e:  # noqa: BLE001 -- recorded for the report, and the next measurement runs
         result, error = {}, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"
@@ -254,7 +282,7 @@ def run_child(item: Item, args, env: dict, timeout: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "result.json")
         command = [sys.executable, "-m", "scripts.gpu_check", "--item", item.name, "--result", result_path,
-                   "--json", args.json, "--device-batch-size", str(args.device_batch_size), "--steps", str(args.steps)]
+                   "--json", args.json, "--device-batch-size", str(device_batch_size(args)), "--steps", str(args.steps)]
         command += ["--allow-cpu"] if args.allow_cpu else []
         start = time.monotonic()
         try:
@@ -298,7 +326,7 @@ def run_all(args) -> int:
     args.json = os.path.abspath(args.json)  # the children write the HLO next to it
     with_defaults, without = child_environments(args)
     names = args.only or [item.name for item in ITEMS]
-    items = [item for item in ITEMS if item.name in names or item.name == "environment"]
+    items = [item for item in ITEMS if item.name in names or item is ENVIRONMENT]
     report = {"started": datetime.datetime.now().isoformat(timespec="seconds"), "budget_s": args.budget_s,
               "mode": "cpu (--allow-cpu, d2 sizes)" if args.allow_cpu else "gpu",
               "runtime_defaults": "off" if args.no_runtime_defaults else {
@@ -308,15 +336,15 @@ def run_all(args) -> int:
     for item in items:
         left = args.budget_s - (time.monotonic() - start)
         cost = item.cpu_s if args.allow_cpu else item.gpu_s
-        if item.name != "environment" and cost > left:  # the environment is how a CPU is told apart: always run
+        if item is not ENVIRONMENT and cost > left:  # the environment is how a CPU is told apart: always run
             record = {"name": item.name, "status": "skipped", "seconds": 0.0,
                       "error": f"estimated {cost:.0f} s, {max(left, 0):.0f} s of the budget left"}
         else:
-            env = without if item.name == "flags_off" else with_defaults
-            floor = ENVIRONMENT_TIMEOUT_S if item.name == "environment" else cost
+            env = without if item is FLAGS_OFF else with_defaults
+            floor = ENVIRONMENT_TIMEOUT_S if item is ENVIRONMENT else cost
             record = run_child(item, args, env, timeout=max(left, floor))
-        if item.name == "flags_off" and record["status"] == "ok":
-            on = next((r for r in report["items"] if r["name"] == "windows_d12" and r["status"] == "ok"), None)
+        if item is FLAGS_OFF and record["status"] == "ok":
+            on = next((r for r in report["items"] if r["name"] == WINDOWS.name and r["status"] == "ok"), None)
             if on:
                 record["result"]["defaults_speedup"] = on["result"]["rows"][0]["tok_per_s"] / record["result"]["tok_per_s"]
                 record["result"]["summary"] += f"; the defaults run {record['result']['defaults_speedup']:.2f}x as fast"
@@ -324,13 +352,87 @@ def run_all(args) -> int:
         write_report(args.json, report)
         summary = record.get("result", {}).get("summary") or (record.get("error") or "").split("\n")[0]
         print(f"{item.name:12s} {record['status']:8s} {record['seconds']:6.1f}s  {summary}", flush=True)
-        if item.name == "environment":
+        if item is ENVIRONMENT:
             backend = record.get("result", {}).get("backend")
             if record["status"] != "ok" or (backend != "gpu" and not args.allow_cpu):
                 print(f"error: JAX's backend is {backend or 'not starting'}, not a GPU: nothing else measured",
                       file=sys.stderr)
                 return 2
     return 1 if any(r["status"] == "failed" for r in report["items"]) else 0
+
+
+# ---- compile only: the real step compiled for H100 targets, no GPU needed ---------------------------
+MEMORY_COLUMNS = [("devices", "{:d}"), ("peak", "{:.2f}"), ("temporaries", "{:.2f}"), ("arguments", "{:.2f}"),
+                  ("parameters", "{:.2f}"), ("optimizer_state", "{:.2f}"), ("of_pool", "{:.0%}"), ("lower_s", "{:.1f}"),
+                  ("compile_s", "{:.1f}")]
+ATTENTION_COLUMNS = [("devices", "{:d}"), ("direction", "{}"), ("window", "{:d}"), ("count", "{:d}")]
+COLLECTIVE_COLUMNS = [("devices", "{:d}"), ("kind", "{}"), ("count", "{:d}"), ("size_gib", "{:.3f}"), ("moved_gib", "{:.3f}")]
+
+
+def print_compile_reports(reports: list[dict]) -> None:
+    from jaxchat.common import format_table
+
+    print(f"{reports[0]['config'].rsplit(' x', 1)[0]} | GiB per device; of_pool: the peak against XLA's pool of "
+          f"{reports[0]['pool_gib']:.1f} GiB (the memory fraction of jaxchat.runtime)")
+    print(format_table([{"devices": r["devices"], **r["memory_gib"], "of_pool": r["peak_share_of_pool"],
+                         "lower_s": r["lower_s"], "compile_s": r["compile_s"]} for r in reports], MEMORY_COLUMNS))
+    print("\ncuDNN attention calls (window: XLA's sliding_window_length, 0 for the whole causal context):")
+    print(format_table([{"devices": r["devices"], **row} for r in reports for row in r["kernels"]["attention"]],
+                       ATTENTION_COLUMNS))
+    for r in reports:
+        print(f"GEMMs on {r['devices']} device(s): {r['kernels']['gemm'] or 'none'}; other custom calls: "
+              f"{r['kernels']['other'] or 'none'}")
+    print("\ncollectives of one step (ring convention, bytes moved per device):")
+    print(format_table([{"devices": r["devices"], **row} for r in reports for row in r["collectives"]],
+                       COLLECTIVE_COLUMNS))
+    for r in reports:
+        if "zero1_minimum_gib" in r:
+            print(f"{r['devices']} devices: ZeRO-1's minimum {r['zero1_minimum_gib']:.3f} GiB; this step moves "
+                  f"{r['moved_over_minimum']:.2f}x that")
+
+
+def run_compile_only(args) -> int:
+    """The step of the given settings compiled for each --devices count of H100s; exit 1 if one does not
+    compile or its peak is above XLA's pool, 2 if it cannot be tried here."""
+    from jaxchat.common import quiet_jax_warnings
+    from jaxchat.compile_only import CompileOnlyError, compile_for_target
+    from jaxchat.settings import SettingsError, settings_from_flags
+
+    quiet_jax_warnings()
+    try:
+        settings = settings_from_flags(args)
+    except SettingsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    reports, failed = [], []
+    for devices in args.devices:
+        try:
+            report = compile_for_target(settings, args.vocab_size, devices)
+        except (CompileOnlyError, SettingsError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except Exception as e:  # noqa: BLE001 -- a step that does not compile is the finding: report it, go on
+            failed.append({"devices": devices, "error": f"{type(e).__name__}: {e}"[:3000]})
+            print(f"error: the step on {devices} device(s) did not compile: {type(e).__name__}: {str(e)[:500]}",
+                  file=sys.stderr)
+            continue
+        hlo = report.pop("hlo")
+        if args.json:
+            report["hlo_file"] = f"{os.path.splitext(args.json)[0]}.x{devices}.hlo.txt.gz"
+            with gzip.open(report["hlo_file"], "wt") as f:
+                f.write(hlo)
+        reports.append(report)
+    if reports:
+        print_compile_reports(reports)
+    over = [r for r in reports if r["peak_share_of_pool"] > 1]
+    for r in over:
+        print(f"error: {r['config']}: peak {r['memory_gib']['peak']:.1f} GiB per device is above XLA's pool of "
+              f"{r['pool_gib']:.1f} GiB: lower --device-batch-size or use --remat block", file=sys.stderr)
+    if args.json:
+        write_report(args.json, {"started": datetime.datetime.now().isoformat(timespec="seconds"),
+                                 "mode": "compile-only", "settings": dataclasses.asdict(settings),
+                                 "vocab_size": args.vocab_size, "reports": reports, "failed": failed})
+    return 1 if failed or over else 0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -340,14 +442,24 @@ def main(argv: list[str] | None = None) -> None:
                         "not fit in the time left is skipped")
     parser.add_argument("--only", nargs="+", choices=[item.name for item in ITEMS], default=None,
                         help="these measurements only (the environment always runs)")
-    parser.add_argument("--device-batch-size", type=int, default=32, help="rows per device in the d12/d20 steps")
+    parser.add_argument("--compile-only", action="store_true", help="no GPU needed (the cuda12 extra is): compile "
+                        "the train step of the run settings below for --devices H100s, report its memory, kernels "
+                        "and collectives; exit 1 if it does not compile or does not fit")
+    parser.add_argument("--devices", type=int, nargs="+", default=[1, ZERO1_DEVICES],
+                        help="with --compile-only: H100 counts to compile for, one report each")
+    parser.add_argument("--vocab-size", type=int, default=SPEEDRUN_VOCAB_SIZE, help="with --compile-only")
     parser.add_argument("--steps", type=int, default=10, help="timed train steps per configuration")
     parser.add_argument("--allow-cpu", action="store_true", help="no GPU: run the d2 versions on the CPU")
     parser.add_argument("--no-runtime-defaults", action="store_true",
                         help="run every measurement without jaxchat's GPU runtime defaults")
     parser.add_argument("--item", default=None, help=argparse.SUPPRESS)  # child mode
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    from jaxchat.settings import add_setting_flags
+
+    add_setting_flags(parser)  # scripts.train's; --device-batch-size also sizes the d12/d20 steps of a GPU run
     args = parser.parse_args(argv)
+    if args.compile_only:
+        sys.exit(run_compile_only(args))
     sys.exit(run_item(args) if args.item else run_all(args))
 
 

@@ -62,15 +62,9 @@ def test_jaxchat_imports_no_circle():
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
-# scripts.gpu_check still imports scripts.bench's analyser, which issue 27 moves into jaxchat/: delete this
-# entry when that lands
-NOT_YET_LEAVES = {"scripts.gpu_check"}
-
-
 def test_scripts_are_leaves():
     for module in modules("jaxchat") + modules("scripts"):
-        if module not in NOT_YET_LEAVES:
-            assert not {n for n in imported(module) if n == "scripts" or n.startswith("scripts.")}, module
+        assert not {n for n in imported(module) if n == "scripts" or n.startswith("scripts.")}, module
 
 
 @pytest.mark.parametrize("module", modules("jaxchat") + modules("scripts"))

@@ -8,7 +8,8 @@ import sys
 import jax
 import pytest
 
-from jaxchat.runtime import GPU_MEMORY_FRACTION, GPU_XLA_FLAGS, MEM_FRACTION_ENV, apply_gpu_defaults, gpu_defaults
+from jaxchat.runtime import (GPU_MEMORY_FRACTION, GPU_XLA_FLAGS, MEM_FRACTION_ENV, apply_gpu_defaults, gpu_compiler_options,
+                              gpu_defaults)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START_JAX = "import jax, jax.numpy as jnp; print(float(jnp.ones(3).sum()))"
@@ -75,3 +76,15 @@ def test_too_late_once_jax_has_started():
     jax.devices()  # this process's backend is up: the variables would be read by no one
     with pytest.raises(RuntimeError, match="before JAX starts"):
         apply_gpu_defaults("cuda", {})
+
+
+def test_compiler_options_are_typed_and_leave_the_users_flags():
+    # .compile(compiler_options=...) refuses 'false' as a string: booleans and integers go typed
+    options = gpu_compiler_options({})
+    assert options["xla_gpu_enable_triton_gemm"] is False
+    assert options["xla_gpu_enable_latency_hiding_scheduler"] is True
+    assert options["xla_gpu_memory_limit_slop_factor"] == int(GPU_XLA_FLAGS["xla_gpu_memory_limit_slop_factor"])
+    assert set(options) == set(GPU_XLA_FLAGS)
+    # a flag the user put in XLA_FLAGS is theirs, as in a GPU run
+    user = gpu_compiler_options({"XLA_FLAGS": "--xla_gpu_memory_limit_slop_factor=95"})
+    assert set(user) == set(GPU_XLA_FLAGS) - {"xla_gpu_memory_limit_slop_factor"}

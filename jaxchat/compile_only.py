@@ -1,0 +1,191 @@
+"""The train step compiled without running it: abstract arguments, cuDNN attention traced without
+cuDNN, and the real step compiled for an H100 where there is no GPU.
+
+JAX compiles for a GPU target without a GPU (JAX's compile-only runtime, needs the `cuda12` extra):
+`jax.experimental.topologies.get_topology_desc(platform="cuda", target_config=<GpuTargetConfig text>,
+topology="1x1xN")` gives N compile-only devices of that target; a mesh over them and
+`.lower(...).compile()` run XLA:GPU's whole pipeline: fusion, cuDNN and cuBLAS calls, collectives and
+their scheduling, buffer assignment. Without a GPU to autotune on, kernel choices are XLA's defaults,
+so the memory and the program are real and speed is not measured this way.
+"""
+
+import contextlib
+import dataclasses
+import math
+import os
+import re
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+from jaxchat.hlo import collective_summary, custom_call_census, hlo_collectives
+from jaxchat.mesh import make_mesh
+from jaxchat.run import Run, RunSettings, abstract_batch, build_run
+from jaxchat.runtime import GPU_MEMORY_FRACTION, cuda_plugin_installed, gpu_compiler_options
+
+TARGETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
+H100 = "h100_sxm_80gb"  # jaxchat/targets/<name>.textproto
+ASSUMED_CUDNN_VERSION = 91000  # cuDNN 9.10: past every version check of the attention gate
+ASSUMED_COMPUTE_CAPABILITY = (9, 0)  # H100
+
+
+class CompileOnlyError(RuntimeError):
+    """Compiling for a GPU target cannot start here; the message says what to install."""
+
+
+def target_config(target: str = H100) -> str:
+    """The GpuTargetConfig text of a target kept in jaxchat/targets."""
+    with open(os.path.join(TARGETS_DIR, f"{target}.textproto")) as f:
+        return f.read()
+
+
+def target_memory_bytes(target: str = H100) -> int:
+    """The device memory the target declares (what XLA's allocator and scheduler are sized from)."""
+    return int(re.search(r"device_memory_size:\s*(\d+)", target_config(target)).group(1))
+
+
+def target_pool_bytes(target: str = H100) -> int:
+    """XLA's memory pool on the target at scripts.train's memory fraction (jaxchat.runtime)."""
+    return int(target_memory_bytes(target) * float(GPU_MEMORY_FRACTION))
+
+
+def target_devices(num_devices: int, target: str = H100) -> list:
+    """num_devices compile-only devices of the target, on one host. Raises CompileOnlyError without
+    JAX's CUDA plugin."""
+    if not cuda_plugin_installed():
+        raise CompileOnlyError("compiling for a GPU target needs JAX's CUDA plugin: pip install -e '.[cuda12]' "
+                               "(about 6 GB; no GPU needed), then run with JAX_PLATFORMS=cpu")
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(platform="cuda", target_config=target_config(target),
+                                            topology=f"1x1x{num_devices}")
+    return list(topology.devices)
+
+
+@contextlib.contextmanager
+def cudnn_without_gpu():
+    """Let jax.nn.dot_product_attention(implementation='cudnn') trace and lower for CUDA where there is
+    no cuDNN: its version gate asks the installed cuDNN and the GPU's compute capability, so answer as
+    cuDNN 9.10 on an H100 would, inside this block only. Yields 'real' (a cuDNN answers: nothing
+    changed), 'assumed' (the gate answered as above) or 'unavailable' (this JAX keeps its gate
+    elsewhere: cuDNN attention cannot be traced here). Only shapes and lowered programs come out of
+    such a block: nothing runs."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fused
+
+        saved = fused.check_cudnn_version, fused.check_compute_capability
+    except (ImportError, AttributeError):
+        fused = None
+    if fused is None:
+        yield "unavailable"
+        return
+    try:
+        fused.check_cudnn_version()
+        present = True
+    except RuntimeError:  # "cuDNN is not detected"
+        present = False
+    if present:
+        yield "real"
+        return
+    fused.check_cudnn_version = lambda: ASSUMED_CUDNN_VERSION
+    fused.check_compute_capability = lambda capability: tuple(map(int, capability.split("."))) <= ASSUMED_COMPUTE_CAPABILITY
+    try:
+        yield "assumed"
+    finally:
+        fused.check_cudnn_version, fused.check_compute_capability = saved
+
+
+def with_shardings(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def per_device_bytes(tree, shardings) -> int:
+    """Bytes one device holds of a tree of ShapeDtypeStructs laid out by these shardings."""
+    sizes = jax.tree.map(lambda x, s: math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize, tree, shardings)
+    return sum(jax.tree.leaves(sizes))
+
+
+def abstract_step(settings: RunSettings, vocab_size: int, mesh) -> tuple[Run, object, tuple]:
+    """The run of these settings (one micro-step per step), its jitted step and the step's abstract
+    arguments (ShapeDtypeStructs carrying their shardings)."""
+    world = mesh.devices.size
+    settings = dataclasses.replace(settings, num_iterations=1000, num_devices=world,
+                                   total_batch_size=settings.device_batch_size * settings.max_seq_len * world)
+    run = build_run(settings, vocab_size, mesh=mesh)
+    args = (with_shardings(run.state.params, run.state.param_shardings),
+            with_shardings(run.state.opt_state, run.state.opt_shardings), *abstract_batch(run))
+    return run, run.train_step(), args
+
+
+def zero1_minimum_bytes(num_params: int, num_devices: int) -> float:
+    """What ZeRO-1 must move per device and step: a reduce-scatter of the float32 gradients and an
+    all-gather of the float32 parameters, (n-1)/n of the whole each (the ring convention)."""
+    return 2 * (num_devices - 1) / num_devices * 4 * num_params
+
+
+def partitioned_hlo(lowered) -> tuple[str, str]:
+    """Compile a lowered step and return (HLO text, what it is): the module right after XLA's SPMD
+    partitioner, where the collectives are as the program asks for them -- XLA:CPU's later passes run
+    bf16 all-reduces in float32 and leave reduce-scatters as all-reduce + slice, which XLA:GPU does
+    not --, or the optimised module where this XLA names its passes otherwise."""
+    with tempfile.TemporaryDirectory() as dump:
+        compiled = lowered.compile(compiler_options={"xla_dump_to": dump, "xla_dump_hlo_pass_re": "spmd-partitioning"})
+        dumped = sorted(name for name in os.listdir(dump) if "after_spmd-partitioning" in name)
+        if dumped:
+            with open(os.path.join(dump, dumped[-1])) as f:
+                return f.read(), "after SPMD partitioning"
+    return compiled.as_text(), "XLA:CPU's optimised module"
+
+
+def for_gpu(settings: RunSettings) -> RunSettings:
+    """The settings as a GPU run resolves them: 'auto' attention is cuDNN, the compute dtype bf16."""
+    return dataclasses.replace(settings, attention="cudnn" if settings.attention == "auto" else settings.attention,
+                               compute_dtype=settings.compute_dtype or "bfloat16")
+
+
+def compile_for_target(settings: RunSettings, vocab_size: int, num_devices: int, *, target: str = H100,
+                       compiler_options: dict | None = None) -> dict:
+    """The real train step of these settings (one micro-step, device_batch_size rows per device)
+    compiled for num_devices devices of the target, with a GPU run's XLA options (jaxchat.runtime)
+    updated by compiler_options (e.g. xla_dump_to). Returns its figures (GiB per device):
+    memory       XLA's memory analysis: arguments, outputs, what they alias, temporaries, and the peak
+                 (arguments + outputs - aliased + temporaries); the state's share of the arguments
+    kernels      the custom-call census (jaxchat.hlo.custom_call_census)
+    collectives  per kind, the bytes each device moves, against ZeRO-1's minimum
+    times        tracing and lowering, then XLA's compilation, in seconds
+    and 'hlo', the optimised module's text."""
+    settings = for_gpu(settings)
+    mesh = make_mesh(devices=target_devices(num_devices, target))
+    start = time.perf_counter()
+    with cudnn_without_gpu():
+        run, step, args = abstract_step(settings, vocab_size, mesh)
+        lowered = step.trace(*args).lower()
+    lower_s = time.perf_counter() - start
+    start = time.perf_counter()
+    compiled = lowered.compile(compiler_options={**gpu_compiler_options(), **(compiler_options or {})})
+    compile_s = time.perf_counter() - start
+    analysis = compiled.memory_analysis()
+    gib = 2**30
+    peak = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
+            + analysis.temp_size_in_bytes)
+    state = run.state
+    memory = {"arguments": analysis.argument_size_in_bytes / gib, "outputs": analysis.output_size_in_bytes / gib,
+              "aliased": analysis.alias_size_in_bytes / gib, "temporaries": analysis.temp_size_in_bytes / gib,
+              "parameters": per_device_bytes(state.params, state.param_shardings) / gib,
+              "optimizer_state": per_device_bytes(state.opt_state, state.opt_shardings) / gib,
+              "peak": peak / gib}
+    hlo = compiled.as_text()
+    found = hlo_collectives(hlo, num_devices)
+    result = {"config": f"d{settings.depth} T{settings.max_seq_len} B{settings.device_batch_size} V{vocab_size} "
+                        f"{settings.window_pattern} remat={settings.remat} x{num_devices} {target}",
+              "devices": num_devices, "target": target, "memory_gib": memory,
+              "pool_gib": target_pool_bytes(target) / gib, "peak_share_of_pool": peak / target_pool_bytes(target),
+              "kernels": custom_call_census(hlo), "collectives": collective_summary(found),
+              "lower_s": lower_s, "compile_s": compile_s, "hlo": hlo}
+    if num_devices > 1:
+        minimum = zero1_minimum_bytes(run.num_params, num_devices)
+        result.update(zero1_minimum_gib=minimum / gib,
+                      moved_over_minimum=sum(c["moved"] for c in found) / minimum)
+    return result
