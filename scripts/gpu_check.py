@@ -226,6 +226,10 @@ def attention_time(batch: int, seq_len: int, heads: int, head_dim: int, window: 
 
 
 def check_attention(args, sizes: Sizes) -> dict:
+    import jax
+
+    if jax.default_backend() != "gpu":  # said plainly: without a GPU, JAX's own error depends on its plugins
+        raise RuntimeError(f"cuDNN attention needs an NVIDIA GPU; this backend is {jax.default_backend()}")
     agreement = [attention_agreement(*case) for case in sizes.attention]
     batch, seq_len, heads, head_dim = sizes.window
     half, full = (attention_time(batch, seq_len, heads, head_dim, w) for w in (seq_len // 2, seq_len))
@@ -396,8 +400,12 @@ def run_compile_only(args) -> int:
     compile or its peak is above XLA's pool, 2 if it cannot be tried here."""
     from jaxchat.common import quiet_jax_warnings
     from jaxchat.compile_only import CompileOnlyError, compile_for_target
+    import jax
+
     from jaxchat.settings import SettingsError, settings_from_flags
 
+    if "JAX_PLATFORMS" not in os.environ:  # the devices are the CUDA plugin's compile-only ones: no GPU backend
+        jax.config.update("jax_platforms", "cpu")  # is started, so a machine without a GPU needs no setting
     quiet_jax_warnings()
     try:
         settings = settings_from_flags(args)
