@@ -1,4 +1,6 @@
-"""Move models between jaxchat and nanochat (nanochat at commit bdcc030, whose GPT jaxchat implements).
+"""Move models between jaxchat and nanochat: a model of --recipe bdcc030 goes to (and comes from) nanochat
+at commit bdcc030, one of --recipe 92d63d4 to nanochat at 92d63d4 (its model_config does not name the
+recipe: an import tells it from the parameter names).
 
 Hand a base model to nanochat's later stages (midtraining, SFT, RL, chat):
 
@@ -36,8 +38,8 @@ from flax import nnx
 from jaxchat.checkpoint import CHECKPOINTS_SUBDIR, CheckpointError, RunCheckpoints, find_model_tag, load_model, tokenizer_info
 from jaxchat.common import get_base_dir, quiet_jax_warnings
 from jaxchat.interop import (TOKEN_BYTES_PT, TOKENIZER_PICKLE, config_from_nanochat_meta, from_nanochat_state_dict,
-                             load_nanochat_state_dict, load_nanochat_tokenizer, nanochat_meta, save_nanochat_checkpoint,
-                             save_nanochat_tokenizer, to_nanochat_state_dict)
+                             load_nanochat_state_dict, load_nanochat_tokenizer, nanochat_meta, recipe_of_state_dict,
+                             save_nanochat_checkpoint, save_nanochat_tokenizer, to_nanochat_state_dict)
 from jaxchat.tokenizer import get_tokenizer
 from jaxchat.common import fail
 
@@ -115,7 +117,9 @@ def import_weights(weights_path: str, meta_path: str | None = None, tokenizer_pa
     step = step if step is not None else source_meta.get("step")
     if step is None:
         raise ValueError(f"{meta_path} has no step: pass --step")
-    model = from_nanochat_state_dict(config, load_nanochat_state_dict(weights_path))
+    state_dict = load_nanochat_state_dict(weights_path)
+    config = dataclasses.replace(config, recipe=recipe_of_state_dict(config, state_dict))
+    model = from_nanochat_state_dict(config, state_dict)
     base_dir = base_dir or get_base_dir()
     tokenizer_path = tokenizer_path or _default_tokenizer_path(weights_path)
     tokenizer_dir = os.path.join(base_dir, "tokenizer")
@@ -133,8 +137,8 @@ def import_weights(weights_path: str, meta_path: str | None = None, tokenizer_pa
                                           "import into another base dir ($JAXCHAT_BASE_DIR), or move that tokenizer away")
 
     directory = os.path.join(base_dir, CHECKPOINTS_SUBDIR, model_tag or f"d{config.n_layer}")
-    meta = {key: source_meta[key] for key in ("val_bpb", "user_config", "device_batch_size", "max_seq_len", "loop_state")
-            if key in source_meta}
+    meta = {key: source_meta[key] for key in ("val_bpb", "user_config", "device_batch_size", "max_seq_len",
+                                              "total_batch_size", "loop_state") if key in source_meta}
     meta.update(model_config=dataclasses.asdict(config), imported_from=os.path.abspath(weights_path),
                 tokenizer=tokenizer_info(tokenizer) if tokenizer is not None else None)
     with RunCheckpoints(directory, async_save=False) as checkpointer:
