@@ -507,7 +507,8 @@ class GPT(nnx.Module):
         return count_scaling_params(nnx.state(self, nnx.Param), self.config)
 
     def estimate_flops(self) -> int:
-        """Training FLOPs per token: 6 x (params except wte and the lambdas) + attention's 12*H*D*window per layer."""
+        """Training FLOPs per token: 6 x the matmul weights (not wte, the value embeddings or the lambdas)
+        + attention's 12*H*D*window per layer (estimate_flops)."""
         return estimate_flops(self.config)
 
 
