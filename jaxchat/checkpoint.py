@@ -48,7 +48,7 @@ from jax.sharding import Mesh
 
 from jaxchat.checkpoint_meta import CHECKPOINTS_SUBDIR, TRAINING_META_KEYS, TrainingMeta, default_model_tag
 from jaxchat.common import get_base_dir, key_name, print0
-from jaxchat.gpt import GPT, GPTConfig, abstract_model
+from jaxchat.gpt import DEFAULT_RECIPE, GPT, GPTConfig, abstract_model
 from jaxchat.mesh import make_mesh, replicated
 from jaxchat.run_lock import RunLock, RunLockedError, acquire_run_lock
 
@@ -154,6 +154,13 @@ def check_compatible(meta: dict, model_config: GPTConfig | dict | None = None, t
     problems = []
     if model_config is not None:
         wanted = model_config if isinstance(model_config, dict) else dataclasses.asdict(model_config)
+        # a model_config without a recipe is from before recipes: the default one
+        saved_recipe, wanted_recipe = (config.get("recipe", DEFAULT_RECIPE) for config in (saved, wanted))
+        if saved_recipe != wanted_recipe:
+            raise CheckpointMismatchError(
+                f"{where} holds a --recipe {saved_recipe} model, this run builds --recipe {wanted_recipe}: pass "
+                f"--recipe {saved_recipe} to continue or load it, or start a new run under another --model-tag")
+        saved, wanted = ({**config, "recipe": saved_recipe} for config in (saved, wanted))
         for key in sorted(set(saved) | set(wanted)):
             if saved.get(key) != wanted.get(key):
                 flag = CONFIG_FLAGS.get(key, key)

@@ -58,8 +58,7 @@ def _prefill(graphdef, state, prompt, prompt_len, num_samples, cache_len, top_k,
     logits, cache = model.decode(prompt, model.init_cache(1, cache_len))
     last = jax.lax.dynamic_index_in_dim(logits, prompt_len - 1, axis=1, keepdims=False)  # (1, V)
     # Rewind over the padding: the next step writes at prompt_len, overwriting it.
-    cache = cache.replace(k=jnp.repeat(cache.k, num_samples, axis=1), v=jnp.repeat(cache.v, num_samples, axis=1),
-                          pos=jnp.asarray(prompt_len, jnp.int32))
+    cache = model.rewind_cache(cache, prompt_len, prompt).repeat_rows(num_samples)
     key, subkey = jax.random.split(key)
     tokens = sample_next_token(jnp.repeat(last, num_samples, axis=0), subkey, temperature, top_k)
     return tokens, cache, key

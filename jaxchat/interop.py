@@ -1,21 +1,25 @@
 """Interchange with nanochat: its parameter names and layout, and the files its later stages read.
 
-jaxchat's GPT is nanochat's at commit bdcc030 (karpathy/nanochat, January 2026); everything here
-follows that commit's nanochat/gpt.py, nanochat/checkpoint_manager.py, nanochat/tokenizer.py and
-scripts/base_train.py + tok_train.py. (Later nanochat commits changed the GPT, e.g. value embeddings,
-so their loader does not take these weights: continue in a checkout of that commit.)
+Each recipe's GPT is nanochat's at that commit (karpathy/nanochat): a 'bdcc030' model is read by a
+checkout of bdcc030 (January 2026), a '92d63d4' model by one of 92d63d4; everything here follows those
+commits' nanochat/gpt.py, nanochat/checkpoint_manager.py, nanochat/tokenizer.py and scripts/base_train.py
++ tok_train.py. Either commit's load_model loads strictly, so it refuses the other recipe's weights.
 
 A nanochat base directory, as its load_model("base", ...) and get_tokenizer() read it:
   base_checkpoints/<tag>/model_<step:06d>.pt   torch.save'd state dict, names below; Linear weights are
-                                               (out, in); wte bfloat16 (nanochat's init_weights casts it
-                                               on CUDA and build_model upcasts on CPU), the rest float32
+                                               (out, in); wte (and 92d63d4's value_embeds) bfloat16
+                                               (nanochat's init_weights casts them on CUDA and build_model
+                                               upcasts on CPU), the rest float32
   base_checkpoints/<tag>/meta_<step:06d>.json  base_train.py's meta: model_config (GPTConfig's fields), ...
   tokenizer/tokenizer.pkl                      the pickled tiktoken.Encoding (RustBPETokenizer.save)
   tokenizer/token_bytes.pt                     int32 tensor, UTF-8 bytes of each decoded token, 0 for specials
 
 Names follow from the nnx parameter paths by rule: blocks.<i>.<sub>.<layer>.kernel is
 transformer.h.<i>.<sub>.<layer>.weight transposed (Flax kernels are (in, out)), wte.embedding is
-transformer.wte.weight, lm_head.kernel is lm_head.weight transposed, the lambdas keep their names.
+transformer.wte.weight, lm_head.kernel is lm_head.weight transposed, the lambdas keep their names;
+92d63d4's value_embeds.<i>.embedding is value_embeds.<i>.weight and smear_gate.kernel smear_gate.weight
+transposed. The recipe is not in nanochat's model_config (its GPTConfig has no such field): an import
+tells it from the parameter names.
 
 PyTorch is needed only for the .pt files (pip install -e '.[nanochat]'). jaxchat never runs pickle
 code: state dicts are read with torch.load(weights_only=True), and tokenizer.pkl by an unpickler
@@ -36,17 +40,22 @@ import numpy as np
 from flax import nnx
 
 from jaxchat.checkpoint_meta import nanochat_files
-from jaxchat.gpt import GPT, GPTConfig, abstract_model
+from jaxchat.gpt import GPT, RECIPES, GPTConfig, abstract_model
 from jaxchat.staged_files import StagedFiles
 from jaxchat.tokenizer import Tokenizer
 
-NANOCHAT_COMMIT = "bdcc030"
 TORCH_COMPILE_PREFIX = "_orig_mod."  # nanochat state dicts saved from a compiled model carry it
-# What nanochat's base_train.py writes into meta_<step>.json, in its order.
+# What nanochat's base_train.py writes into meta_<step>.json, in its order: bdcc030's, and per recipe
+# (92d63d4 adds the total batch size after max_seq_len, which its chat_sft.py inherits).
 NANOCHAT_META_KEYS = ("step", "val_bpb", "model_config", "user_config", "device_batch_size", "max_seq_len",
                       "dataloader_state_dict", "loop_state")
-# The fields of nanochat's GPTConfig (nanochat/gpt.py): its build_model passes model_config to it as is.
+META_KEYS_OF_RECIPE = {"bdcc030": NANOCHAT_META_KEYS,
+                       "92d63d4": NANOCHAT_META_KEYS[:6] + ("total_batch_size",) + NANOCHAT_META_KEYS[6:]}
+# The fields of nanochat's GPTConfig (nanochat/gpt.py, the same at both commits): its build_model passes
+# model_config to it as is.
 NANOCHAT_CONFIG_KEYS = ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "window_pattern")
+# nanochat trains with its embedding tables in bfloat16 on GPU and saves them so (init_weights).
+NANOCHAT_BF16_TABLES = ("transformer.wte.weight", "value_embeds.")
 TOKENIZER_PICKLE = "tokenizer.pkl"
 TOKEN_BYTES_PT = "token_bytes.pt"
 # nanochat's RustBPETokenizer names its encoding so; tiktoken pickles a registered name ("gpt2", ...)
@@ -95,14 +104,29 @@ def to_nanochat_state_dict(model: GPT) -> dict[str, np.ndarray]:
     return out
 
 
+def _expected_names(config: GPTConfig, **model_kwargs) -> tuple[GPT, dict[tuple, tuple[str, bool]]]:
+    model = abstract_model(config, **model_kwargs)
+    return model, {path: nanochat_name(path) for path in _flat_params(model)}
+
+
+def recipe_of_state_dict(config: GPTConfig, names) -> str:
+    """The recipe whose GPT of config's shape has exactly these parameter names (nanochat's model_config
+    does not say); the nearest one when none does, so that the load names what differs."""
+    def difference(recipe):
+        expected = {name for name, _ in _expected_names(dataclasses.replace(config, recipe=recipe))[1].values()}
+        return len(expected ^ set(names))
+
+    return min(RECIPES, key=difference)
+
+
 def from_nanochat_state_dict(config: GPTConfig, state_dict: dict[str, np.ndarray], **model_kwargs) -> GPT:
     """The inverse of to_nanochat_state_dict: a GPT of `config` holding exactly those weights (as float32)."""
-    model = abstract_model(config, **model_kwargs)
-    names = {path: nanochat_name(path) for path in _flat_params(model)}
+    model, names = _expected_names(config, **model_kwargs)
     expected = {name for name, _ in names.values()}
     missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
     if missing or unexpected:
-        raise ValueError(f"the weights do not match model_config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(f"the weights do not match model_config (recipe {config.recipe}): missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
     flat = {}
     for path, abstract in _flat_params(model).items():
         name, transpose = names[path]
@@ -122,20 +146,24 @@ def from_nanochat_state_dict(config: GPTConfig, state_dict: dict[str, np.ndarray
 # ---- meta_<step>.json ----------------------------------------------------------------------------
 
 def nanochat_meta(meta: dict, step: int) -> dict:
-    """nanochat's meta for a jaxchat checkpoint's meta: base_train.py's keys in its order. The data
-    loader's state means nothing to nanochat's loader (None: nanochat's stages never read it)."""
+    """nanochat's meta for a jaxchat checkpoint's meta: the keys of its recipe's base_train.py in that
+    order, model_config without the recipe (nanochat's GPTConfig has no such field). The data loader's
+    state means nothing to nanochat's loader (None: nanochat's stages never read it)."""
     config = dataclasses.asdict(GPTConfig(**meta["model_config"]))  # every field, defaults included
+    recipe = config.pop("recipe")
     unknown = sorted(set(config) - set(NANOCHAT_CONFIG_KEYS))
     if unknown:
-        raise ValueError(f"model_config fields {unknown} have no counterpart in nanochat {NANOCHAT_COMMIT}'s GPT")
-    out = {key: meta.get(key) for key in NANOCHAT_META_KEYS}
+        raise ValueError(f"model_config fields {unknown} have no counterpart in nanochat {recipe}'s GPT")
+    out = {key: meta.get(key) for key in META_KEYS_OF_RECIPE[recipe]}
     out.update(step=step, dataloader_state_dict=None, model_config=config)
+    if "total_batch_size" in out and out["total_batch_size"] is None:
+        out["total_batch_size"] = (meta.get("user_config") or {}).get("total_batch_size")
     return out
 
 
-def config_from_nanochat_meta(meta: dict, where: str) -> GPTConfig:
-    """The GPTConfig of a nanochat meta file, with nanochat's own default for models from before
-    sliding windows (checkpoint_manager.py's _patch_missing_config_keys: full attention)."""
+def config_from_nanochat_meta(meta: dict, where: str, recipe: str = "bdcc030") -> GPTConfig:
+    """The GPTConfig of a nanochat meta file for a model of that recipe, with nanochat's own default for
+    models from before sliding windows (checkpoint_manager.py's _patch_missing_config_keys: full attention)."""
     config = dict(meta.get("model_config") or {})
     if not config:
         raise ValueError(f"{where} has no model_config: it is not a nanochat meta file")
@@ -145,8 +173,8 @@ def config_from_nanochat_meta(meta: dict, where: str) -> GPTConfig:
     unknown = sorted(set(config) - {f.name for f in dataclasses.fields(GPTConfig)})
     if unknown:
         raise ValueError(f"{where}: model_config keys {unknown} are not part of jaxchat's GPT: this model has "
-                         f"features jaxchat does not implement (it follows nanochat {NANOCHAT_COMMIT})")
-    return GPTConfig(**config)
+                         f"features jaxchat does not implement (it follows nanochat {', '.join(RECIPES)})")
+    return GPTConfig(**{"recipe": recipe, **config})
 
 
 # ---- model_<step>.pt -----------------------------------------------------------------------------
@@ -164,8 +192,8 @@ def save_nanochat_checkpoint(model: GPT, meta: dict, step: int, directory: str,
     state_dict = {}
     for name, value in to_nanochat_state_dict(model).items():
         tensor = torch.tensor(value)  # a copy: the array may be a read-only view of device memory
-        # nanochat trains with wte in bfloat16 on GPU and saves it so (init_weights); rounding to nearest even
-        state_dict[name] = tensor.to(torch.bfloat16) if name == "transformer.wte.weight" else tensor
+        # as nanochat saves its embedding tables (NANOCHAT_BF16_TABLES); rounding to nearest even
+        state_dict[name] = tensor.to(torch.bfloat16) if name.startswith(NANOCHAT_BF16_TABLES) else tensor
     with contextlib.nullcontext(staged) if staged else StagedFiles() as files:
         torch.save(state_dict, files.path(model_path))
         with open(files.path(meta_path), "w", encoding="utf-8") as f:

@@ -26,9 +26,23 @@ REFERENCE_DEPTH = 12  # weight decay was tuned at d12
 MUON_MOMENTUM_WARMUP_STEPS = 300
 ADAM_EPS = 1e-10
 
-# the AdamW groups, by the top-level name of the parameter; every block matrix goes to Muon
-ADAMW_GROUPS = ("wte", "lm_head", "resid_lambdas", "x0_lambdas")
+# The AdamW group of each top-level parameter name; every matrix under 'blocks' goes to Muon (the 92d63d4
+# value-embedding gates blocks.<i>.attn.ve_gate included, as nanochat 92d63d4's setup_optimizer). The last
+# rows are the parameters of the 92d63d4 GPT, in the groups that commit gives them.
+ADAMW_GROUP_OF = {
+    "wte": "wte",
+    "lm_head": "lm_head",
+    "resid_lambdas": "resid_lambdas",
+    "x0_lambdas": "x0_lambdas",
+    "value_embeds": "value_embeds",  # embedding-like, at half wte's learning rate
+    "smear_gate": "smear",  # the smear and backout scalars and gate: one scalar-like group at a fixed lr
+    "smear_lambda": "smear",
+    "backout_lambda": "smear",
+}
+ADAMW_GROUPS = tuple(dict.fromkeys(ADAMW_GROUP_OF.values()))
 MUON_GROUP = "muon"
+VALUE_EMBEDS_LR_FACTOR = 0.5  # value embeddings' lr relative to wte's (nanochat 92d63d4 setup_optimizer)
+SMEAR_LR = 0.2  # nanochat 92d63d4 setup_optimizer: fixed, scaled neither by batch size nor by width
 
 
 # ---- schedules -----------------------------------------------------------------------------------
@@ -85,6 +99,8 @@ def group_learning_rates(
         "lm_head": unembedding_lr * batch_scale * dmodel_scale,
         "resid_lambdas": scalar_lr * batch_scale * 0.01,
         "x0_lambdas": scalar_lr * batch_scale,
+        "value_embeds": embedding_lr * batch_scale * dmodel_scale * VALUE_EMBEDS_LR_FACTOR,
+        "smear": SMEAR_LR,
     }
 
 
@@ -100,11 +116,11 @@ def param_label(path: tuple, ndim: int) -> str:
     to the AdamW group named by its top-level attribute. An error names a parameter with no group."""
     if path and path[0] == "blocks" and ndim >= 2:
         return MUON_GROUP
-    if path and path[0] in ADAMW_GROUPS:
-        return path[0]
+    if path and path[0] in ADAMW_GROUP_OF:
+        return ADAMW_GROUP_OF[path[0]]
     raise ValueError(
         f"parameter {'/'.join(map(str, path))} (ndim {ndim}) has no optimizer group: jaxchat.optim puts "
-        f"matrices under 'blocks' in Muon and {', '.join(ADAMW_GROUPS)} in AdamW; add a rule for it there"
+        f"matrices under 'blocks' in Muon and {', '.join(ADAMW_GROUP_OF)} in AdamW; add a rule for it there"
     )
 
 
@@ -291,7 +307,9 @@ def setup_optimizer(
         return lambda count: peak_lr * lrm(count)
 
     b1, b2 = adam_betas
-    transforms = {name: optax.adam(scheduled(lrs[name]), b1=b1, b2=b2, eps=ADAM_EPS) for name in ADAMW_GROUPS}
+    # only the groups the model has: a bdcc030 model's optimizer state stays what it was
+    transforms = {name: optax.adam(scheduled(lrs[name]), b1=b1, b2=b2, eps=ADAM_EPS) for name in ADAMW_GROUPS
+                  if name in layout.labels}
     transforms[MUON_GROUP] = muon(learning_rate=scheduled(lrs[MUON_GROUP]), momentum=muon_momentum, weight_decay=decay)
     tx = optax.partition(transforms, layout.view_labels())
     return Optimizer(tx, layout, lrs, lrm, muon_momentum, decay)
@@ -302,6 +320,8 @@ def describe_param_groups(learning_rates: dict[str, float], layout: ParamLayout)
     lines = []
     for name in (MUON_GROUP, *ADAMW_GROUPS):
         members = [i for i, label in enumerate(layout.labels) if label == name]
+        if not members and name != MUON_GROUP:
+            continue  # a group of the other recipe's parameters
         numel = sum(math.prod(layout.shapes[i]) for i in members)
         line = f"{name:>13}: lr {learning_rates[name]:<11.6g} | {len(members):3d} tensors, {numel:>13,} params"
         if name == MUON_GROUP:

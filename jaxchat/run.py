@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxchat.gpt import GPTConfig
+from jaxchat.gpt import GPTConfig, count_params
 from jaxchat.mesh import batch_sharding, make_mesh
 from jaxchat.optim import Optimizer, setup_optimizer
 from jaxchat.settings import RunSettings, SettingsError
@@ -112,7 +112,7 @@ def build_run(settings: RunSettings, vocab_size: int, *, mesh: Mesh | None = Non
     mesh = layout.mesh
     config = GPTConfig.from_depth(settings.depth, vocab_size, aspect_ratio=settings.aspect_ratio,
                                   head_dim=settings.head_dim, max_seq_len=settings.max_seq_len,
-                                  window_pattern=settings.window_pattern)
+                                  window_pattern=settings.window_pattern, recipe=settings.recipe)
     say(f"num_layers: {config.n_layer}")
     say(f"model_dim: {config.n_embd}")
     say(f"num_heads: {config.n_head}")
@@ -127,9 +127,9 @@ def build_run(settings: RunSettings, vocab_size: int, *, mesh: Mesh | None = Non
 
     model_kwargs = settings.model_kwargs()
     model = abstract_model(config, settings.seed, **model_kwargs)  # ShapeDtypeStructs only: nothing allocated
-    num_params = model.num_scaling_params()
+    num_params = model.num_scaling_params()  # what the data:param horizon counts (the recipe's rule)
     flops_per_token = model.estimate_flops()
-    say(f"Number of parameters: {num_params:,} (scaling: {num_params:,})")
+    say(f"Number of parameters: {count_params(nnx.state(model, nnx.Param)):,} (scaling: {num_params:,})")
     say(f"Estimated FLOPs per token: {flops_per_token:e}")
     num_iterations = training_horizon(settings, num_params, flops_per_token, say)
     total_tokens = settings.total_batch_size * num_iterations

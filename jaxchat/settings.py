@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxchat.checkpoint import parse_resume_step
-from jaxchat.gpt import REMAT_POLICIES, check_window_pattern, width_and_heads
+from jaxchat.gpt import DEFAULT_RECIPE, REMAT_POLICIES, check_window_pattern, width_and_heads
 
 
 class SettingsError(ValueError):
@@ -31,17 +31,16 @@ class Recipe:
 
     defaults: settings whose default differs from RunSettings' field defaults (the bdcc030 values).
     replaced: flags this recipe does not have -> what replaced them (the one line a user gets).
-    model_features: GPT keyword switches of this recipe (value embeddings, smear, ...), passed to the model.
+    The model of the recipe is the GPT of the same name (jaxchat.gpt.RECIPES: value embeddings, smear, ...),
+    which GPTConfig.recipe selects.
     A setting that only some recipes have says so in its field's `recipes` metadata."""
 
     name: str
     nanochat_commit: str
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
     replaced: Mapping[str, str] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
-    model_features: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
 
 
-DEFAULT_RECIPE = "bdcc030"
 RECIPES: Mapping[str, Recipe] = types.MappingProxyType({
     recipe.name: recipe for recipe in (
         # nanochat in January 2026 (scripts/base_train.py at bdcc030): the field defaults below
@@ -172,7 +171,7 @@ class RunSettings:
         except ValueError as e:
             raise SettingsError(f"--window-pattern: {e}") from None
         try:
-            width_and_heads(self.depth, self.aspect_ratio, self.head_dim)
+            width_and_heads(self.depth, self.aspect_ratio, self.head_dim, self.recipe)
         except ValueError as e:  # the message names the flags
             raise SettingsError(str(e)) from None
 
@@ -181,10 +180,10 @@ class RunSettings:
         return RECIPES[self.recipe]
 
     def model_kwargs(self) -> dict:
-        """GPT keyword arguments: the recipe's feature switches and the JAX-only model settings."""
+        """GPT keyword arguments: the JAX-only model settings (the recipe's model is GPTConfig.recipe)."""
         import jax.numpy as jnp
 
-        kwargs = {**self.recipe_spec.model_features, "remat": self.remat, "loss_chunk_len": self.loss_chunk_len}
+        kwargs = {"remat": self.remat, "loss_chunk_len": self.loss_chunk_len}
         if self.attention != "auto":
             kwargs["attention_implementation"] = self.attention
         if self.compute_dtype:

@@ -1,4 +1,6 @@
-"""Move models between jaxchat and nanochat (nanochat at commit bdcc030, whose GPT jaxchat implements).
+"""Move models between jaxchat and nanochat: a model of --recipe bdcc030 goes to (and comes from) nanochat
+at commit bdcc030, one of --recipe 92d63d4 to nanochat at 92d63d4 (its model_config does not name the
+recipe: an import tells it from the parameter names).
 
 Hand a base model to nanochat's later stages (midtraining, SFT, RL, chat):
 
@@ -37,8 +39,8 @@ from jaxchat.checkpoint_meta import (CHECKPOINTS_SUBDIR, NANOCHAT_WEIGHTS_FILE, 
                                      default_model_tag, nanochat_files)
 from jaxchat.common import fail, get_base_dir, quiet_jax_warnings
 from jaxchat.interop import (TOKEN_BYTES_PT, TOKENIZER_PICKLE, config_from_nanochat_meta, from_nanochat_state_dict,
-                             load_nanochat_state_dict, load_nanochat_tokenizer, nanochat_meta, save_nanochat_checkpoint,
-                             save_nanochat_tokenizer, to_nanochat_state_dict)
+                             load_nanochat_state_dict, load_nanochat_tokenizer, nanochat_meta, recipe_of_state_dict,
+                             save_nanochat_checkpoint, save_nanochat_tokenizer, to_nanochat_state_dict)
 from jaxchat.staged_files import StagedFiles, check_writable_dir
 from jaxchat.tokenizer import get_tokenizer
 
@@ -135,7 +137,9 @@ def import_weights(weights_path: str, meta_path: str | None = None, tokenizer_pa
     step = step if step is not None else source_meta.get("step")
     if step is None:
         raise ValueError(f"{meta_path} has no step: pass --step")
-    model = from_nanochat_state_dict(config, load_nanochat_state_dict(weights_path))
+    state_dict = load_nanochat_state_dict(weights_path)
+    config = dataclasses.replace(config, recipe=recipe_of_state_dict(config, state_dict))
+    model = from_nanochat_state_dict(config, state_dict)
     base_dir = base_dir or get_base_dir()
     tokenizer_path = tokenizer_path or _default_tokenizer_path(weights_path)
     tokenizer_dir = os.path.join(base_dir, TOKENIZER_SUBDIR)
@@ -155,7 +159,8 @@ def import_weights(weights_path: str, meta_path: str | None = None, tokenizer_pa
     directory = os.path.join(base_dir, CHECKPOINTS_SUBDIR, model_tag or default_model_tag(config.n_layer))
     for target in [directory] + ([tokenizer_dir] if tokenizer is not None and not keep_tokenizer else []):
         check_writable_dir(target)  # an unwritable place stops the import here, before the tokenizer is written
-    meta = {key: source_meta[key] for key in TRAINING_META_KEYS if key in source_meta and key not in ("model_config", "tokenizer")}
+    kept = [key for key in TRAINING_META_KEYS if key not in ("model_config", "tokenizer")] + ["total_batch_size"]  # 92d63d4's
+    meta = {key: source_meta[key] for key in kept if key in source_meta}
     meta.update(model_config=dataclasses.asdict(config), imported_from=os.path.abspath(weights_path),
                 tokenizer=tokenizer_info(tokenizer) if tokenizer is not None else None)
     with RunCheckpoints(directory, async_save=False) as checkpointer:

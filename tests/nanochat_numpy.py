@@ -115,9 +115,19 @@ def randomized(config, seed: int = 0):
     return model
 
 
-def np_forward(sd: dict, config, idx: np.ndarray, rnd=exact) -> np.ndarray:
-    """Logits of nanochat's GPT (nanochat/gpt.py) in float64 NumPy."""
+# What the GPT's maths takes from each nanochat commit (nanochat/gpt.py there): rotary base, the factor on q
+# and k after the QK norm, and the short (S) window for a sequence length. Which layers have value
+# embeddings, and whether there is a smear and a backout, the state dict's names say, as nanochat's modules.
+NANOCHAT_MATHS = {
+    "bdcc030": {"rotary_base": 10000, "qk_scale": 1.0, "short_window": lambda T: T // 2},
+    "92d63d4": {"rotary_base": 100000, "qk_scale": 1.2, "short_window": lambda T: -(-T // 4 // 128) * 128},
+}
+
+
+def np_forward(sd: dict, config, idx: np.ndarray, rnd=exact, recipe: str = "bdcc030") -> np.ndarray:
+    """Logits of nanochat's GPT (nanochat/gpt.py at that recipe's commit) in float64 NumPy."""
     eps = np.finfo(np.float32).eps  # F.rms_norm(eps=None): float32's epsilon, for bf16 inputs too
+    maths = NANOCHAT_MATHS[recipe]
 
     def rms(x):
         return rnd(x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
@@ -125,9 +135,12 @@ def np_forward(sd: dict, config, idx: np.ndarray, rnd=exact) -> np.ndarray:
     def linear(x, name):
         return rnd(rnd(x) @ rnd(W(name)).T)
 
+    def sigmoid(x):
+        return rnd(1 / (1 + np.exp(-x)))
+
     B, T = idx.shape
     H, Hkv, D, C = config.n_head, config.n_kv_head, config.n_embd // config.n_head, config.n_embd
-    inv_freq = (1.0 / (10000 ** (np.arange(0, D, 2, dtype=np.float32) / D))).astype(np.float32)
+    inv_freq = (1.0 / (maths["rotary_base"] ** (np.arange(0, D, 2, dtype=np.float32) / D))).astype(np.float32)
     angles = np.arange(T, dtype=np.float32)[:, None] * inv_freq[None, :]  # float32 as nanochat's table
     cos, sin = bf16_round(np.cos(angles.astype(np.float64))), bf16_round(np.sin(angles.astype(np.float64)))
 
@@ -137,12 +150,15 @@ def np_forward(sd: dict, config, idx: np.ndarray, rnd=exact) -> np.ndarray:
         return np.concatenate([rnd(rnd(x1 * c) + rnd(x2 * s)), rnd(rnd(-x1 * s) + rnd(x2 * c))], axis=-1)
 
     pattern = config.window_pattern
-    windows = [config.sequence_len if pattern[i % len(pattern)] == "L" else config.sequence_len // 2
+    windows = [config.sequence_len if pattern[i % len(pattern)] == "L" else maths["short_window"](config.sequence_len)
                for i in range(config.n_layer)]
     windows[-1] = config.sequence_len
     W = lambda name: sd[name].astype(np.float64)  # noqa: E731
     x = rms(rnd(W("transformer.wte.weight"))[idx])
-    x0 = x
+    if "smear_lambda" in sd:  # x_t += smear_lambda sigmoid(smear_gate(x_t[:24])) x_{t-1}, from position 1
+        gate = rnd(rnd(W("smear_lambda")) * sigmoid(linear(x[:, 1:, :24], "smear_gate.weight")))
+        x = np.concatenate([x[:, :1], rnd(x[:, 1:] + rnd(gate * x[:, :-1]))], axis=1)
+    x0, x_mid = x, None
     i_pos, j_pos = np.arange(T)[:, None], np.arange(T)[None, :]
     for layer in range(config.n_layer):
         p = f"transformer.h.{layer}."
@@ -151,7 +167,13 @@ def np_forward(sd: dict, config, idx: np.ndarray, rnd=exact) -> np.ndarray:
         q = linear(h, p + "attn.c_q.weight").reshape(B, T, H, D)
         k = linear(h, p + "attn.c_k.weight").reshape(B, T, Hkv, D)
         v = linear(h, p + "attn.c_v.weight").reshape(B, T, Hkv, D)
+        if f"value_embeds.{layer}.weight" in sd:  # v += 3 sigmoid(ve_gate(h[:12])) ve, per key/value head
+            ve = rnd(W(f"value_embeds.{layer}.weight"))[idx].reshape(B, T, Hkv, D)
+            gate = rnd(3 * sigmoid(linear(h[..., :12], p + "attn.ve_gate.weight")))
+            v = rnd(v + rnd(gate[..., None] * ve))
         q, k = rms(rotary(q)), rms(rotary(k))
+        if maths["qk_scale"] != 1.0:
+            q, k = rnd(q * maths["qk_scale"]), rnd(k * maths["qk_scale"])
         k, v = np.repeat(k, H // Hkv, axis=2), np.repeat(v, H // Hkv, axis=2)
         scores = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(D)  # softmax in float32: not rounded
         allowed = (i_pos - j_pos >= 0) & (i_pos - j_pos <= windows[layer])
@@ -162,5 +184,9 @@ def np_forward(sd: dict, config, idx: np.ndarray, rnd=exact) -> np.ndarray:
         x = rnd(x + linear(y, p + "attn.c_proj.weight"))
         hidden = rnd(np.maximum(linear(rms(x), p + "mlp.c_fc.weight"), 0) ** 2)
         x = rnd(x + linear(hidden, p + "mlp.c_proj.weight"))
+        if layer == config.n_layer // 2:
+            x_mid = x
+    if "backout_lambda" in sd:  # the mid-layer residual subtracted before the final norm
+        x = rnd(x - rnd(rnd(W("backout_lambda")) * x_mid))
     logits = linear(rms(x), "lm_head.weight")[..., : config.vocab_size]  # then .float() for the softcap
     return 15 * np.tanh(logits / 15)

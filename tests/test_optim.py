@@ -89,8 +89,11 @@ def test_scaling_rules():
     # a quarter of the batch halves every learning rate
     quarter = group_learning_rates(model_dim=1280, total_batch_size=2**17, unembedding_lr=0.004,
                                    embedding_lr=0.3, matrix_lr=0.02, scalar_lr=0.5)
-    for name in lrs:
+    for name in lrs.keys() - {"smear"}:
         assert quarter[name] == pytest.approx(lrs[name] / 2)
+    # the 92d63d4 groups: value embeddings at half wte's rate; smear/backout at nanochat's fixed 0.2, unscaled
+    assert lrs["value_embeds"] == pytest.approx(lrs["wte"] / 2)
+    assert lrs["smear"] == quarter["smear"] == 0.2
     assert scaled_weight_decay(0.2, 12) == pytest.approx(0.2)
     assert scaled_weight_decay(0.2, 20) == pytest.approx(0.072)
 
@@ -114,8 +117,8 @@ def test_every_parameter_of_the_gpt_gets_its_group():
 
 
 def test_unlabelled_parameter_is_an_error_that_names_it():
-    params = {"wte": {"embedding": jnp.zeros((8, 4))}, "value_embeds": {"0": jnp.zeros((8, 4))}}
-    with pytest.raises(ValueError, match="value_embeds/0"):
+    params = {"wte": {"embedding": jnp.zeros((8, 4))}, "router": {"0": jnp.zeros((8, 4))}}
+    with pytest.raises(ValueError, match="router/0"):
         setup_optimizer(params, model_dim=4, depth=1, num_iterations=10, total_batch_size=2**19)
     # a vector inside the blocks is not a matrix for Muon either
     with pytest.raises(ValueError, match="blocks/0/norm/scale"):

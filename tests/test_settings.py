@@ -101,18 +101,18 @@ def test_bad_settings_are_one_line_naming_the_flag(argv, message):
 
 
 def test_a_recipe_is_data_its_defaults_apply_and_flags_it_lacks_are_refused(monkeypatch):
-    """A second recipe as the next one will be added: one table entry. Its defaults replace the field
+    """A second recipe as the next one will be added: one table entry (named after a GPT of jaxchat.gpt.RECIPES). Its defaults replace the field
     defaults, the flags given win over both, and a flag it does not have gets the line saying what replaced it."""
-    later = Recipe(name="later", nanochat_commit="later", defaults={"weight_decay": 0.28, "warmdown_ratio": 0.65},
+    later = Recipe(name="92d63d4", nanochat_commit="92d63d4", defaults={"weight_decay": 0.28, "warmdown_ratio": 0.65},
                    replaced={"adam_beta1": "its AdamW betas are fixed per group"})
     monkeypatch.setattr(settings_module, "RECIPES", {DEFAULT_RECIPE: settings_module.RECIPES[DEFAULT_RECIPE],
-                                                     "later": later})
-    chosen = parse_settings(["--recipe=later", "--warmdown-ratio=0.5"])
-    assert (chosen.recipe, chosen.weight_decay, chosen.warmdown_ratio) == ("later", 0.28, 0.5)
+                                                     "92d63d4": later})
+    chosen = parse_settings(["--recipe=92d63d4", "--warmdown-ratio=0.5"])
+    assert (chosen.recipe, chosen.weight_decay, chosen.warmdown_ratio) == ("92d63d4", 0.28, 0.5)
     assert parse_settings(["--adam-beta1=0.9"]).adam_beta1 == 0.9  # the default recipe has it
-    with pytest.raises(SettingsError, match=r"^--adam-beta1 is not a setting of recipe later: its AdamW betas"):
-        parse_settings(["--recipe=later", "--adam-beta1=0.9"])
-    with pytest.raises(SettingsError, match="use one of bdcc030, later"):
+    with pytest.raises(SettingsError, match=r"^--adam-beta1 is not a setting of recipe 92d63d4: its AdamW betas"):
+        parse_settings(["--recipe=92d63d4", "--adam-beta1=0.9"])
+    with pytest.raises(SettingsError, match="use one of bdcc030, 92d63d4"):
         parse_settings(["--recipe=other"])
 
 
