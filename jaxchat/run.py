@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxchat.gpt import REMAT_POLICIES, GPTConfig, width_and_heads
+from jaxchat import fp8
+from jaxchat.gpt import REMAT_POLICIES, GPTConfig, use_fp8, width_and_heads
 from jaxchat.mesh import batch_sharding, make_mesh
 from jaxchat.optim import Optimizer, setup_optimizer
 from jaxchat.trainer import TrainState, abstract_model, abstract_train_state, init_train_state, make_train_step
@@ -59,6 +60,8 @@ class RunSettings:
     remat: str = "dots"  # a key of gpt.REMAT_POLICIES
     loss_chunk_len: int = 128
     compute_dtype: str | None = None  # None: bfloat16 on accelerators, float32 on CPU
+    fp8: bool = False  # base_train.py's --fp8: the linear layers nanochat's filter passes train in fp8
+    fp8_recipe: str = "tensorwise"  # base_train.py's --fp8-recipe: only tensorwise is implemented (jaxchat.fp8)
 
     @classmethod
     def from_args(cls, args) -> "RunSettings":
@@ -75,6 +78,9 @@ class RunSettings:
             raise SettingsError(f"--window-pattern {self.window_pattern!r} must be made of S (half context) and L (full context)")
         if self.num_iterations <= 0 and self.target_flops <= 0 and self.target_param_data_ratio <= 0:
             raise SettingsError("no training horizon: set --num-iterations, --target-flops or --target-param-data-ratio")
+        if self.fp8_recipe not in fp8.RECIPES:
+            raise SettingsError(f"--fp8-recipe {self.fp8_recipe!r} is not supported: only 'tensorwise' (one scale per "
+                                "tensor), as nanochat's own fp8.py; rowwise needs the full torchao library there")
         if self.remat not in REMAT_POLICIES:
             raise SettingsError(f"--remat {self.remat!r}: use one of {', '.join(REMAT_POLICIES)}")
         try:
@@ -88,6 +94,8 @@ class RunSettings:
             kwargs["attention_implementation"] = self.attention
         if self.compute_dtype:
             kwargs["dtype"] = jnp.dtype(self.compute_dtype)
+        if self.fp8:
+            kwargs["fp8"] = True
         return kwargs
 
 
@@ -165,6 +173,10 @@ def build_run(settings: RunSettings, vocab_size: int, *, mesh: Mesh | None = Non
     flops_per_token = model.estimate_flops()
     say(f"Number of parameters: {num_params:,} (scaling: {num_params:,})")
     say(f"Estimated FLOPs per token: {flops_per_token:e}")
+    if settings.fp8:
+        converted, linear = use_fp8(model)
+        say(f"✓ FP8 training enabled ({settings.fp8_recipe} scaling) - converted {converted}/{linear} linear layers, "
+            f"skipped {linear - converted} (too small)")
 
     # the horizon: given, or from target flops, or from the data:param ratio (in that order)
     if settings.num_iterations > 0:

@@ -28,6 +28,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--run", type=str, default="dummy", help="wandb run name ('dummy' disables wandb logging)")
     # Runtime
     parser.add_argument("--device-type", type=str, default="", help="cuda|cpu (empty = autodetect)")
+    # FP8 training
+    parser.add_argument("--fp8", action="store_true", help="enable FP8 training (fast on H100+; emulated, slow, on CPU)")
+    parser.add_argument("--fp8-recipe", type=str, default="tensorwise", choices=["rowwise", "tensorwise"], help="FP8 scaling recipe: tensorwise (the only one implemented; rowwise is refused)")
     # Model architecture
     parser.add_argument("--depth", type=int, default=20, help="depth of the Transformer model")
     parser.add_argument("--aspect-ratio", type=int, default=64, help="model_dim = depth * aspect_ratio")
