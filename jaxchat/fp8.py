@@ -75,10 +75,20 @@ def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
 
 def scaled_dot(a: jax.Array, inv_a: jax.Array, b: jax.Array, inv_b: jax.Array, contracting: tuple, out_dtype,
                precision) -> jax.Array:
-    """The dequantised product of two fp8 operands: dot(a, b) accumulated in float32, times inv_a * inv_b,
-    rounded once to out_dtype. `contracting` is ((a's dims), (b's dims))."""
-    product = lax.dot_general(a, b, (contracting, ((), ())), precision=precision, preferred_element_type=jnp.float32)
-    return checkpoint_name((product * (inv_a * inv_b)).astype(out_dtype), OUTPUT_NAME)
+    """The dequantised product of two fp8 operands, dot(a, b) x inv_a x inv_b, in out_dtype. `contracting`
+    is ((a's dims), (b's dims)).
+
+    A float32 result takes the float32 product times the float32 scale. A narrower one (bf16) is the
+    dot's own output type with the scale rounded to it: XLA folds that scale into the cuBLASLt call, which
+    writes bf16 once. (Seen in the step compiled for an H100: a float32 product with the scale applied
+    after it stays a float32 GEMM output plus a separate convert pass over it, extra memory traffic of
+    the order of the fp8 GEMM's own time at K of a few thousand, by the H100's datasheet figures.)
+    The scale's bf16 rounding (at most 2^-9 relative, one factor for the whole product) is the size of
+    bf16's own rounding of each result."""
+    out_dtype = jnp.dtype(out_dtype)
+    result_type = jnp.float32 if out_dtype.itemsize >= 4 else out_dtype
+    product = lax.dot_general(a, b, (contracting, ((), ())), precision=precision, preferred_element_type=result_type)
+    return checkpoint_name((product * (inv_a * inv_b).astype(result_type)).astype(out_dtype), OUTPUT_NAME)
 
 
 def is_fp8_dot(prim, *avals, **params) -> bool:

@@ -3,6 +3,7 @@ float64 NumPy version of nanochat's scaling maths (nanochat/fp8.py at 92d63d4), 
 non-finite inputs, the step lowered for CUDA, a d2 train step against the same step without fp8, and
 an fp8-trained checkpoint against one trained without."""
 
+import functools
 import math
 
 import jax
@@ -184,3 +185,227 @@ def test_fp8_loss_head_against_numpy():
     dw_bound += (T // chunk) * U32 * np.abs(dw_ref)  # the float32 sum over chunks
     assert (np.abs(np.asarray(dx, np.float64) - dx_ref.reshape(B, T, C)) <= dx_bound.reshape(B, T, C)).all()
     assert (np.abs(np.asarray(dw, np.float64) - dw_ref) <= dw_bound).all()
+
+
+# ---- the train step: settings, lowering for CUDA, one step against the same step without fp8 ----------
+VOCAB = 300  # padded to 320: lm_head passes nanochat's filter (min 128, multiples of 16) as at d2 every block's layers
+D2 = dict(depth=2, max_seq_len=32, device_batch_size=2, total_batch_size=64, num_iterations=4, seed=3)
+
+
+def d2_run(fp8_on: bool, **overrides):
+    from jaxchat.mesh import make_mesh
+    from jaxchat.run import build_run
+
+    return build_run(RunSettings(**{**D2, "fp8": fp8_on, **overrides}), VOCAB, mesh=make_mesh(1))
+
+
+def test_rowwise_is_refused_in_one_line():
+    with pytest.raises(SettingsError, match="--fp8-recipe 'rowwise' is not supported: only 'tensorwise'"):
+        RunSettings(fp8=True, fp8_recipe="rowwise").check()
+    RunSettings(fp8=True, fp8_recipe="tensorwise").check()
+
+
+def test_nanochats_filter_and_eval_without_fp8():
+    """Every linear layer of d2 is 128 wide or more and a multiple of 16, so all 13 (12 in the blocks and
+    lm_head) train in fp8; at vocabulary 100 (padded 128) too, at 50 (padded 64) lm_head stays out.
+    TrainState.model(), what evaluation and sampling use, has every fp8 matmul off."""
+    from jaxchat.gpt import Linear, use_fp8
+    from jaxchat.trainer import abstract_model
+
+    run = d2_run(True)
+    model = nnx_merge(run.state)
+    assert [layer.fp8_enabled for layer in linear_layers(model)] == [True] * 13
+    assert not any(layer.fp8_enabled for layer in linear_layers(run.state.model()))
+    small_vocab = abstract_model(run.config.__class__(**{**run.config.__dict__, "vocab_size": 50}))
+    assert use_fp8(small_vocab) == (12, 13)
+    assert [fp8.eligible(*dims) for dims in [(128, 128), (128, 64), (96, 256), (256, 120), (1280, 65536)]] == \
+        [True, False, False, False, True]
+    assert all(isinstance(layer, Linear) for layer in linear_layers(model))
+
+
+def nnx_merge(state):
+    from flax import nnx
+
+    return nnx.merge(state.graphdef, state.params)
+
+
+def linear_layers(model):
+    from flax import nnx
+
+    from jaxchat.gpt import Linear
+
+    return [node for _, node in nnx.iter_graph(model) if isinstance(node, Linear)]
+
+
+def abstract_step_args(run):
+    from jaxchat.run import abstract_batch
+
+    def with_shardings(tree, shardings):
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+    return (with_shardings(run.state.params, run.state.param_shardings),
+            with_shardings(run.state.opt_state, run.state.opt_shardings), *abstract_batch(run))
+
+
+def test_the_step_lowered_for_cuda_has_fp8_dots():
+    """The whole train step (bf16 compute, remat 'dots') lowered for CUDA without a GPU: every matmul
+    without batch dimensions (attention's and Muon's stacks have them) takes fp8 operands, in nanochat's
+    pairing (e4m3 x e4m3 forward, e5m2 x e4m3 dgrad, e4m3 x e5m2 wgrad), once per layer and pass: 13
+    forward (+1: the loss head's backward recomputes its chunk's logits), 13 dgrad, 13 wgrad. Each fp8
+    product is multiplied by one scalar (the product of the two inverse scales), which is what XLA's
+    GemmRewriter folds into the cuBLASLt fp8 GEMM."""
+    import re
+
+    run = d2_run(True, compute_dtype="bfloat16", attention="xla", remat="dots")
+    text = run.train_step().trace(*abstract_step_args(run)).lower(lowering_platforms=("cuda",)).as_text()
+    kinds, scaled = [], 0
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if "stablehlo.dot_general" not in line or "batching_dims" in line:
+            continue
+        operands = re.search(r": \(tensor<[0-9x]*x(\w+)>, tensor<[0-9x]*x(\w+)>\)", line).groups()
+        kinds.append(operands)
+        result = re.match(r"\s*(%\S+) =", line).group(1)
+        # the next use of the product: a multiply by a broadcast scalar
+        use = next(l for l in lines[i + 1:] if re.search(rf"{re.escape(result)}\b", l))
+        broadcast = re.search(r"stablehlo.multiply %\S+, (%\S+) ", use)
+        if broadcast and re.search(rf"{re.escape(broadcast.group(1))} = stablehlo.broadcast_in_dim %\S+, dims = \[\] : \(tensor<(f32|bf16)>\)", text):
+            scaled += 1
+    E4, E5 = "f8E4M3FN", "f8E5M2"
+    assert sorted(kinds) == sorted([(E4, E4)] * 14 + [(E5, E4)] * 13 + [(E4, E5)] * 13), kinds
+    assert scaled == len(kinds)
+
+
+def rounding_sensitivities(graphdef, params, idx, targets) -> np.ndarray:
+    """|dL/da| (u |a| + s_a) for every operand element a of the forward's fp8 matmuls, on the model without
+    fp8: how far e4m3's rounding of a can move the loss, to first order. The activations' part comes from
+    additive probes on the input of each linear layer and of the loss head; the weights' from their
+    gradients. u = 2^-4 bounds e4m3's relative rounding of a normal value; s_a = 2^-10 amax / 448 is half
+    the subnormal spacing, unscaled."""
+    from flax import nnx
+
+    from jaxchat import gpt
+
+    inputs, probes = [], []
+    original_call, original_head = gpt.Linear.__call__, gpt.token_losses
+
+    def probe(x):
+        x = x + probes.pop(0) if probes else x
+        inputs.append(x)
+        return x
+
+    def loss(p, e):
+        probes[:] = list(e)
+        return nnx.merge(graphdef, p)(idx, targets)
+
+    gpt.Linear.__call__ = lambda self, x: original_call(self, probe(x))
+    gpt.token_losses = lambda x, *args, **kwargs: original_head(probe(x), *args, **kwargs)
+    try:
+        loss(params, [])  # records the inputs: 12 block layers, then the loss head's
+        values = [np.asarray(x, np.float64) for x in inputs]
+        grads_p, grads_e = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, [jnp.zeros(x.shape) for x in values])
+    finally:
+        gpt.Linear.__call__, gpt.token_losses = original_call, original_head
+    kernels = [np.asarray(layer.kernel[...], np.float64) for layer in linear_layers(nnx.merge(graphdef, params))]
+    kernel_grads = [np.asarray(layer.kernel[...]) for layer in linear_layers(nnx.merge(graphdef, grads_p))]
+    return np.concatenate([(np.abs(g) * (2.0 ** -4 * np.abs(a) + 2.0 ** -10 * np.abs(a).max() / 448)).ravel()
+                           for g, a in zip([*grads_e, *kernel_grads], [*values, *kernels])])
+
+
+@functools.cache
+def d2(fp8_on: bool):
+    """A d2 run, its jitted step (compiled once for the tests that share it) and its initial state on the
+    host (the step donates what it is given)."""
+    run = d2_run(fp8_on)
+    state = run.init_state()
+    return run, run.train_step(), jax.device_get(state.params), jax.device_get(state.opt_state)
+
+
+def perturbed_params():
+    """The initial parameters plus noise: at init the projections are zero (no rounding to see)."""
+    leaves, treedef = jax.tree.flatten(d2(False)[2])
+    keys = jax.random.split(jax.random.key(0), len(leaves))
+    return jax.device_get(jax.tree.unflatten(treedef, [x + 0.05 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)]))
+
+
+def d2_batch(seed=0):
+    from jaxchat.mesh import batch_sharding, make_mesh, put_batch
+
+    rng = np.random.default_rng(seed)
+    spec = batch_sharding(make_mesh(1))
+    return [put_batch(rng.integers(0, VOCAB, size=(1, 2, 32)).astype(np.int32), spec) for _ in range(2)]
+
+
+def one_step(fp8_on: bool, params, opt_state, batch):
+    """One step of the d2 run from host copies of its state; returns the new (params, opt_state) and the loss."""
+    run, step, _, _ = d2(fp8_on)
+    params, opt_state, metrics = step(jax.device_put(params, run.state.param_shardings),
+                                      jax.device_put(opt_state, run.state.opt_shardings), *batch)
+    return params, opt_state, float(metrics["loss"])
+
+
+def test_one_d2_step_with_and_without_fp8():
+    """The same weights and batch, one step of each (float32 compute on CPU, remat 'dots'). Its loss is
+    the forward's; the fp8 forward rounds every operand a of its 13 matmuls to e4m3 (a -> a + da with
+    |da| <= c_a = u |a| + s_a), and to first order the loss moves by sum_a dL/da da. Taken one by one the
+    roundings could all push the same way (sum |dL/da| c_a: 4.7 here, most of the loss); as independent
+    zero-mean errors (the standard model of rounding error), Hoeffding's inequality bounds the sum by
+    t = sqrt(2 ln(2 / p) sum (|dL/da| c_a)^2) but with probability p; p = 1e-9 gives 6.5 standard
+    deviations' worth. Terms of second order are smaller by another factor of about u (1/16): twice t
+    holds them. The updated weights are ordinary float32 arrays of the same tree."""
+    from flax import nnx
+
+    from jaxchat.trainer import abstract_model
+
+    params, batch = perturbed_params(), d2_batch()
+    params_ref, _, loss_ref = one_step(False, params, d2(False)[3], batch)
+    params_f8, _, loss_f8 = one_step(True, params, d2(True)[3], batch)
+    graphdef = nnx.split(abstract_model(d2(False)[0].config, remat="none"))[0]  # eager: the probes record values
+    c = rounding_sensitivities(graphdef, jax.device_put(params), batch[0][0], batch[1][0])
+    bound = 2 * math.sqrt(2 * math.log(2 / 1e-9) * np.sum(c**2))
+    assert abs(loss_f8 - loss_ref) <= bound, (loss_f8, loss_ref, bound)
+    assert 0 < bound < 0.05 * loss_ref  # a bound on rounding (0.17 against a loss of 5.87), not on anything at all
+    assert jax.tree.structure(params_f8) == jax.tree.structure(params_ref)
+    for a, b in zip(jax.tree.leaves(params_f8), jax.tree.leaves(params_ref)):
+        assert a.dtype == b.dtype == jnp.float32 and np.isfinite(np.asarray(a)).all()
+
+
+def test_an_fp8_run_resumes_and_exports_as_any_other(tmp_path):
+    """The weights of an fp8 run are ordinary float32 parameters: its checkpoint restores into an fp8 run
+    and continues exactly (the same program twice: bit-exact), restores into a run without fp8 unchanged,
+    and exports (nanochat's state dict; TrainState.model(), fp8 off) as a run without fp8 does."""
+    from flax import nnx
+
+    from jaxchat.checkpoint import RunCheckpoints
+    from jaxchat.interop import to_nanochat_state_dict
+    from jaxchat.trainer import TrainState
+
+    (f8, _, params0, opt0), (plain, _, _, _) = d2(True), d2(False)
+    params, opt_state, _ = one_step(True, params0, opt0, d2_batch(1))
+    meta = {"val_bpb": None, "model_config": {}, "user_config": {}, "device_batch_size": 2, "max_seq_len": 32,
+            "loop_state": {}, "tokenizer": {}}
+    with RunCheckpoints(str(tmp_path), async_save=False) as saver:
+        saver.save(1, params, opt_state, None, meta)
+    saved, saved_opt = jax.device_get(params), jax.device_get(opt_state)
+    after_two = one_step(True, saved, saved_opt, d2_batch(2))[0]
+
+    shapes = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
+    with RunCheckpoints(str(tmp_path)) as loader:
+        params, opt_state, _ = loader.restore(1, shapes(params0), shapes(opt0), f8.state.param_shardings,
+                                              f8.state.opt_shardings)
+        resumed = one_step(True, jax.device_get(params), jax.device_get(opt_state), d2_batch(2))[0]
+        plain_params, _, _ = loader.restore(1, shapes(params0), None, plain.state.param_shardings)
+    for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(after_two)):
+        np.testing.assert_array_equal(a, b)
+    assert jax.tree.structure(plain_params) == jax.tree.structure(saved)
+    for a, b in zip(jax.tree.leaves(plain_params), jax.tree.leaves(saved)):
+        assert a.dtype == jnp.float32
+        np.testing.assert_array_equal(a, b)
+
+    exported = TrainState(f8.state.graphdef, jax.device_put(saved), None, None, None).model()  # as export/eval read it
+    without_fp8 = nnx.merge(plain.state.graphdef, plain_params)
+    exported_dict = to_nanochat_state_dict(exported)
+    for name, value in to_nanochat_state_dict(without_fp8).items():
+        np.testing.assert_array_equal(exported_dict[name], value)
+    idx = d2_batch(3)[0][0]
+    np.testing.assert_array_equal(np.asarray(exported(idx)), np.asarray(without_fp8(idx)))  # same program: bit-exact

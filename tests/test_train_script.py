@@ -20,6 +20,7 @@ SMALL = ["--depth=2", "--max-seq-len=128", "--device-batch-size=4", "--total-bat
     (["--num-devices=99"], "99 devices requested but only 8 exist"),
     (["--window-pattern=SXL"], "must be made of S"),
     (["--num-iterations=-1", "--target-param-data-ratio=-1"], "no training horizon"),
+    (["--fp8", "--fp8-recipe=rowwise"], "--fp8-recipe 'rowwise' is not supported: only 'tensorwise'"),
 ])
 def test_bad_input_stops_with_a_message(tmp_path, monkeypatch, capsys, flags, message):
     """In this process (main(argv) is the whole script): each must exit with status 2 and a message on
