@@ -24,15 +24,19 @@ once, rather than a quietly clipped update. (This relies on max propagating NaN:
 GPU flag xla_gpu_enable_fast_min_max=true would break it, and jaxchat.runtime does not set it.)
 
 How this reaches the hardware: each dot_general below takes the fp8 arrays themselves (f8E4M3FN and
-f8E5M2 operands in the lowered program) and multiplies its float32 product by the scalar inv_a * inv_b.
+f8E5M2 operands in the lowered program) and multiplies its product by the one scalar inv_a * inv_b.
 On Hopper, XLA's GPU GemmRewriter pass (xla/service/gpu/transforms/gemm_rewriter.cc, its FP8 path) turns
 a dot with fp8 operands into a cuBLASLt fp8 GEMM custom call (`__cublas$lt$matmul$f8`) and folds the
-scalar multiply and the cast of the result into the GEMM (alpha and the output type), as
+scalar into the GEMM's scale operands and a bf16 cast into its output type (scaled_dot), as
 torch._scaled_mm's scale_a/scale_b and out_dtype do in nanochat. The forward dot asks for DEFAULT
-precision and the gradients' dots for HIGHEST, as flax.linen.fp8_ops does: nanochat's use_fast_accum
-True forward and False backward.
+precision and the gradients' dots for HIGHEST, as flax.linen.fp8_ops does: an fp8 cuBLASLt GEMM uses
+fast accumulation when both operands' precision is DEFAULT (openxla/xla#6599), so this is nanochat's
+use_fast_accum=True forward and False backward. (XLA writes fp8 GEMMs only for a CUDA version it knows
+allows them: a compile-only GPU target must declare one, see docs/benchmarks.md.)
 
-The backward pass keeps what nanochat saves: the fp8 operands and their scales (a quarter of float32).
+The backward pass keeps what nanochat saves: the fp8 operands and their scales (remat 'dots' keeps the
+bf16 result instead and recomputes them: jaxchat.gpt). In the data-parallel step each device scales its
+own rows' activations and gradients, as each rank of nanochat's DDP does.
 
 Why not Flax's or JAX's fp8 ops: flax.linen.fp8_ops scales with an amax history carried from step to
 step ("delayed" scaling: extra state in the parameters, the optimizer and the checkpoint) and divides by
