@@ -165,6 +165,8 @@ def train(args: argparse.Namespace, gpu_defaults_set: list[str] | None = None) -
            f" | remat {settings.remat}")
     if gpu_defaults_set:
         print0(f"GPU runtime defaults (not set by you): {' '.join(gpu_defaults_set)}")
+    if settings.fp8 and device.platform != "gpu":  # nanochat ignores --fp8 there; here it runs, for testing
+        print0(f"--fp8 on {device.platform}: XLA emulates the fp8 types (slow; fp8 GEMMs need a Hopper GPU or newer)")
     gradient_accumulation_steps(settings, world)  # a batch that does not divide fails before any loading
     # CORE during training needs the eval bundle: fetch it now rather than fail hours into the run
     if args.core_metric_every > 0:
