@@ -3,17 +3,24 @@ float64 NumPy version of nanochat's scaling maths (nanochat/fp8.py at 92d63d4), 
 non-finite inputs, the step lowered for CUDA, a d2 train step against the same step without fp8, and
 an fp8-trained checkpoint against one trained without."""
 
+import dataclasses
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from jaxchat import fp8
+from jaxchat import fp8, gpt
+from jaxchat.checkpoint import RunCheckpoints
+from jaxchat.interop import to_nanochat_state_dict
 from jaxchat.loss import LOGIT_SOFTCAP, token_losses
-from jaxchat.run import RunSettings, SettingsError
+from jaxchat.mesh import batch_sharding, make_mesh, put_batch
+from jaxchat.run import RunSettings, SettingsError, abstract_batch, build_run
+from jaxchat.trainer import TrainState, abstract_model
 
 U32 = 2.0 ** -24  # float32 unit roundoff
 E5M2_U = 2.0 ** -3  # e5m2 unit roundoff (2 mantissa bits): a normal value rounds within 2^-3 of itself
@@ -193,9 +200,6 @@ D2 = dict(depth=2, max_seq_len=32, device_batch_size=2, total_batch_size=64, num
 
 
 def d2_run(fp8_on: bool, **overrides):
-    from jaxchat.mesh import make_mesh
-    from jaxchat.run import build_run
-
     return build_run(RunSettings(**{**D2, "fp8": fp8_on, **overrides}), VOCAB, mesh=make_mesh(1))
 
 
@@ -209,37 +213,22 @@ def test_nanochats_filter_and_eval_without_fp8():
     """Every linear layer of d2 is 128 wide or more and a multiple of 16, so all 13 (12 in the blocks and
     lm_head) train in fp8; at vocabulary 100 (padded 128) too, at 50 (padded 64) lm_head stays out.
     TrainState.model(), what evaluation and sampling use, has every fp8 matmul off."""
-    from jaxchat.gpt import Linear, use_fp8
-    from jaxchat.trainer import abstract_model
-
     run = d2_run(True)
-    model = nnx_merge(run.state)
+    model = nnx.merge(run.state.graphdef, run.state.params)
+    assert len(linear_layers(model)) == sum(isinstance(node, nnx.Linear) for _, node in nnx.iter_graph(model)) == 13
     assert [layer.fp8_enabled for layer in linear_layers(model)] == [True] * 13
     assert not any(layer.fp8_enabled for layer in linear_layers(run.state.model()))
-    small_vocab = abstract_model(run.config.__class__(**{**run.config.__dict__, "vocab_size": 50}))
-    assert use_fp8(small_vocab) == (12, 13)
+    for vocab, converted in ((100, 13), (50, 12)):
+        assert gpt.use_fp8(abstract_model(dataclasses.replace(run.config, vocab_size=vocab))) == (converted, 13)
     assert [fp8.eligible(*dims) for dims in [(128, 128), (128, 64), (96, 256), (256, 120), (1280, 65536)]] == \
         [True, False, False, False, True]
-    assert all(isinstance(layer, Linear) for layer in linear_layers(model))
 
 
-def nnx_merge(state):
-    from flax import nnx
-
-    return nnx.merge(state.graphdef, state.params)
-
-
-def linear_layers(model):
-    from flax import nnx
-
-    from jaxchat.gpt import Linear
-
-    return [node for _, node in nnx.iter_graph(model) if isinstance(node, Linear)]
+def linear_layers(model) -> list:
+    return [node for _, node in nnx.iter_graph(model) if isinstance(node, gpt.Linear)]
 
 
 def abstract_step_args(run):
-    from jaxchat.run import abstract_batch
-
     def with_shardings(tree, shardings):
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
@@ -254,8 +243,6 @@ def test_the_step_lowered_for_cuda_has_fp8_dots():
     forward (+1: the loss head's backward recomputes its chunk's logits), 13 dgrad, 13 wgrad. Each fp8
     product is multiplied by one scalar (the product of the two inverse scales), which is what XLA's
     GemmRewriter folds into the cuBLASLt fp8 GEMM."""
-    import re
-
     run = d2_run(True, compute_dtype="bfloat16", attention="xla", remat="dots")
     text = run.train_step().trace(*abstract_step_args(run)).lower(lowering_platforms=("cuda",)).as_text()
     kinds, scaled = [], 0
@@ -276,18 +263,14 @@ def test_the_step_lowered_for_cuda_has_fp8_dots():
     assert scaled == len(kinds)
 
 
-def rounding_sensitivities(graphdef, params, idx, targets) -> np.ndarray:
+def rounding_sensitivities(monkeypatch, graphdef, params, idx, targets) -> np.ndarray:
     """|dL/da| (u |a| + s_a) for every operand element a of the forward's fp8 matmuls, on the model without
     fp8: how far e4m3's rounding of a can move the loss, to first order. The activations' part comes from
     additive probes on the input of each linear layer and of the loss head; the weights' from their
     gradients. u = 2^-4 bounds e4m3's relative rounding of a normal value; s_a = 2^-10 amax / 448 is half
     the subnormal spacing, unscaled."""
-    from flax import nnx
-
-    from jaxchat import gpt
-
     inputs, probes = [], []
-    original_call, original_head = gpt.Linear.__call__, gpt.token_losses
+    linear_call, loss_head = gpt.Linear.__call__, gpt.token_losses
 
     def probe(x):
         x = x + probes.pop(0) if probes else x
@@ -298,14 +281,12 @@ def rounding_sensitivities(graphdef, params, idx, targets) -> np.ndarray:
         probes[:] = list(e)
         return nnx.merge(graphdef, p)(idx, targets)
 
-    gpt.Linear.__call__ = lambda self, x: original_call(self, probe(x))
-    gpt.token_losses = lambda x, *args, **kwargs: original_head(probe(x), *args, **kwargs)
-    try:
-        loss(params, [])  # records the inputs: 12 block layers, then the loss head's
-        values = [np.asarray(x, np.float64) for x in inputs]
-        grads_p, grads_e = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, [jnp.zeros(x.shape) for x in values])
-    finally:
-        gpt.Linear.__call__, gpt.token_losses = original_call, original_head
+    monkeypatch.setattr(gpt.Linear, "__call__", lambda self, x: linear_call(self, probe(x)))
+    monkeypatch.setattr(gpt, "token_losses", lambda x, *args, **kwargs: loss_head(probe(x), *args, **kwargs))
+    loss(params, [])  # eager: records the inputs of the 12 block layers, then the loss head's
+    values = [np.asarray(x, np.float64) for x in inputs]
+    grads_p, grads_e = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, [jnp.zeros(x.shape) for x in values])
+    monkeypatch.undo()
     kernels = [np.asarray(layer.kernel[...], np.float64) for layer in linear_layers(nnx.merge(graphdef, params))]
     kernel_grads = [np.asarray(layer.kernel[...]) for layer in linear_layers(nnx.merge(graphdef, grads_p))]
     return np.concatenate([(np.abs(g) * (2.0 ** -4 * np.abs(a) + 2.0 ** -10 * np.abs(a).max() / 448)).ravel()
@@ -329,8 +310,6 @@ def perturbed_params():
 
 
 def d2_batch(seed=0):
-    from jaxchat.mesh import batch_sharding, make_mesh, put_batch
-
     rng = np.random.default_rng(seed)
     spec = batch_sharding(make_mesh(1))
     return [put_batch(rng.integers(0, VOCAB, size=(1, 2, 32)).astype(np.int32), spec) for _ in range(2)]
@@ -344,7 +323,7 @@ def one_step(fp8_on: bool, params, opt_state, batch):
     return params, opt_state, float(metrics["loss"])
 
 
-def test_one_d2_step_with_and_without_fp8():
+def test_one_d2_step_with_and_without_fp8(monkeypatch):
     """The same weights and batch, one step of each (float32 compute on CPU, remat 'dots'). Its loss is
     the forward's; the fp8 forward rounds every operand a of its 13 matmuls to e4m3 (a -> a + da with
     |da| <= c_a = u |a| + s_a), and to first order the loss moves by sum_a dL/da da. Taken one by one the
@@ -353,15 +332,11 @@ def test_one_d2_step_with_and_without_fp8():
     t = sqrt(2 ln(2 / p) sum (|dL/da| c_a)^2) but with probability p; p = 1e-9 gives 6.5 standard
     deviations' worth. Terms of second order are smaller by another factor of about u (1/16): twice t
     holds them. The updated weights are ordinary float32 arrays of the same tree."""
-    from flax import nnx
-
-    from jaxchat.trainer import abstract_model
-
     params, batch = perturbed_params(), d2_batch()
     params_ref, _, loss_ref = one_step(False, params, d2(False)[3], batch)
     params_f8, _, loss_f8 = one_step(True, params, d2(True)[3], batch)
     graphdef = nnx.split(abstract_model(d2(False)[0].config, remat="none"))[0]  # eager: the probes record values
-    c = rounding_sensitivities(graphdef, jax.device_put(params), batch[0][0], batch[1][0])
+    c = rounding_sensitivities(monkeypatch, graphdef, jax.device_put(params), batch[0][0], batch[1][0])
     bound = 2 * math.sqrt(2 * math.log(2 / 1e-9) * np.sum(c**2))
     assert abs(loss_f8 - loss_ref) <= bound, (loss_f8, loss_ref, bound)
     assert 0 < bound < 0.05 * loss_ref  # a bound on rounding (0.17 against a loss of 5.87), not on anything at all
@@ -374,12 +349,6 @@ def test_an_fp8_run_resumes_and_exports_as_any_other(tmp_path):
     """The weights of an fp8 run are ordinary float32 parameters: its checkpoint restores into an fp8 run
     and continues exactly (the same program twice: bit-exact), restores into a run without fp8 unchanged,
     and exports (nanochat's state dict; TrainState.model(), fp8 off) as a run without fp8 does."""
-    from flax import nnx
-
-    from jaxchat.checkpoint import RunCheckpoints
-    from jaxchat.interop import to_nanochat_state_dict
-    from jaxchat.trainer import TrainState
-
     (f8, _, params0, opt0), (plain, _, _, _) = d2(True), d2(False)
     params, opt_state, _ = one_step(True, params0, opt0, d2_batch(1))
     meta = {"val_bpb": None, "model_config": {}, "user_config": {}, "device_batch_size": 2, "max_seq_len": 32,
