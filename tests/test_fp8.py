@@ -378,3 +378,33 @@ def test_an_fp8_run_resumes_and_exports_as_any_other(tmp_path):
         np.testing.assert_array_equal(exported_dict[name], value)
     idx = d2_batch(3)[0][0]
     np.testing.assert_array_equal(np.asarray(exported(idx)), np.asarray(without_fp8(idx)))  # same program: bit-exact
+
+
+def test_what_each_remat_policy_keeps_with_fp8():
+    """bf16 compute, from shapes only (what the backward pass keeps, less the arguments). Without remat an
+    fp8 matmul keeps its e4m3 operands (1 byte each) where a bf16 one keeps its bf16 input: less. With
+    'dots' a block's fp8 matmul keeps its bf16 result, as a bf16 matmul does, never its float32 product:
+    the blocks keep the same bytes, and only the loss head (outside the blocks' remat) differs, by its
+    e4m3 x and w and two scales against its bf16 x (a vocabulary of 320 needs no padding, so the head's w
+    is the argument itself). 'block' keeps each block's input either way: again only the head differs."""
+    from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved_residuals
+
+    B, T, C, V = 2, 64, 128, 320
+    config = gpt.GPTConfig(sequence_len=T, vocab_size=V, n_layer=2, n_head=1, n_kv_head=1, n_embd=C)
+    tokens = jax.ShapeDtypeStruct((B, T), jnp.int32)
+
+    def kept(remat, fp8_on):
+        graphdef, params = nnx.split(abstract_model(config, dtype=jnp.bfloat16, remat=remat, fp8=fp8_on))
+        residuals = saved_residuals(lambda p, x, y: nnx.merge(graphdef, p)(x, y), params, tokens, tokens)
+        return [aval for aval, source in residuals if not source.startswith("from the argument")]
+
+    def nbytes(avals):
+        return sum(math.prod(a.shape) * a.dtype.itemsize for a in avals)
+
+    none, none_f8 = kept("none", False), kept("none", True)
+    assert nbytes(none_f8) < nbytes(none) and any(a.dtype == jnp.float8_e4m3fn for a in none_f8)
+    dots, dots_f8 = kept("dots", False), kept("dots", True)
+    head = (B * T * C + C * V + 2 * 4) - 2 * B * T * C
+    assert nbytes(dots_f8) - nbytes(dots) == head
+    assert not [a for a in dots_f8 if a.dtype == jnp.float32 and a.shape in ((B * T, C), (B * T, 4 * C))]
+    assert nbytes(kept("block", True)) - nbytes(kept("block", False)) == head
