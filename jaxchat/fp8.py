@@ -88,7 +88,10 @@ def scaled_dot(a: jax.Array, inv_a: jax.Array, b: jax.Array, inv_b: jax.Array, c
     after it stays a float32 GEMM output plus a separate convert pass over it, extra memory traffic of
     the order of the fp8 GEMM's own time at K of a few thousand, by the H100's datasheet figures.)
     The scale's bf16 rounding (at most 2^-9 relative, one factor for the whole product) is the size of
-    bf16's own rounding of each result."""
+    bf16's own rounding of each result. The CPU differs here: XLA:CPU accumulates a bf16-result dot of
+    fp8 operands with bf16 roundings (seen: 3.2e-3 relative error at K = 4096, more than one bf16
+    rounding), where cuBLASLt accumulates in float32 whatever it writes; CPU runs compute in float32
+    (jaxchat.common.compute_dtype), which takes the float32 path."""
     out_dtype = jnp.dtype(out_dtype)
     result_type = jnp.float32 if out_dtype.itemsize >= 4 else out_dtype
     product = lax.dot_general(a, b, (contracting, ((), ())), precision=precision, preferred_element_type=result_type)
