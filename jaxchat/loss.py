@@ -110,7 +110,7 @@ def _token_losses_bwd(chunk_len, fp8_dtypes, residuals, g):
     x, inv_x, w, inv_w, targets, lse = residuals
     x_dtype, w_dtype = fp8_dtypes or (x.dtype, w.dtype)
     c = _chunk_len(x.shape[1], chunk_len)
-    w_c = w.astype(x_dtype)
+    w_c = w.astype(x_dtype) if inv_x is None else None  # cast once, outside the scan
 
     def body(dw, chunk):
         x_c, t_c, lse_c, g_c = chunk
