@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxchat import fp8
 from jaxchat.attention import cached_attention, causal_attention, default_implementation
 from jaxchat.common import compute_dtype
 from jaxchat.loss import DEFAULT_CHUNK_LEN, softcap_logits, token_losses, token_scores
@@ -49,10 +50,20 @@ def _cudnn_attention_saveable(prim, *_, **__) -> bool:
     return prim.name in CUDNN_ATTENTION_FORWARD
 
 
+def _matmul_outputs_saveable(prim, *avals, **params) -> bool:
+    """'dots': the outputs of the matmuls without batch dimensions (attention's have them). For an fp8
+    matmul (jaxchat.fp8) that is its dequantised result in the compute dtype (named fp8.OUTPUT_NAME), not
+    its float32 product before the scales (twice the bytes of bf16); its fp8 operands are recomputed."""
+    if fp8.is_fp8_dot(prim, *avals, **params):
+        return False
+    return jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *avals, **params)
+
+
 REMAT_POLICIES = {
     "none": None,
-    "dots": jax.checkpoint_policies.save_from_both_policies(jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-                                                            _cudnn_attention_saveable),
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.save_from_both_policies(_matmul_outputs_saveable, _cudnn_attention_saveable),
+        jax.checkpoint_policies.save_only_these_names(fp8.OUTPUT_NAME)),
     "block": jax.checkpoint_policies.nothing_saveable,
 }
 
@@ -262,9 +273,21 @@ def _uniform(low: float, high: float) -> nnx.Initializer:
     return init
 
 
-def _linear(fan_in: int, fan_out: int, axes: tuple, init: nnx.Initializer, dtype, rngs: nnx.Rngs) -> nnx.Linear:
+class Linear(nnx.Linear):
+    """nnx.Linear whose matmul runs in fp8 (jaxchat.fp8) while fp8_enabled is set (use_fp8): the input in
+    the compute dtype, the float32 kernel quantised directly, the result in the compute dtype."""
+
+    fp8_enabled = False
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.fp8_enabled:
+            return fp8.matmul(x.astype(self.dtype), self.kernel[...])
+        return super().__call__(x)
+
+
+def _linear(fan_in: int, fan_out: int, axes: tuple, init: nnx.Initializer, dtype, rngs: nnx.Rngs) -> Linear:
     """A bias-free linear layer whose kernel (in, out) carries the logical axis names `axes` (jaxchat.mesh)."""
-    return nnx.Linear(fan_in, fan_out, use_bias=False, kernel_init=init, dtype=dtype, param_dtype=jnp.float32,
+    return Linear(fan_in, fan_out, use_bias=False, kernel_init=init, dtype=dtype, param_dtype=jnp.float32,
                       kernel_metadata={"logical_axes": axes}, rngs=rngs)
 
 
@@ -369,11 +392,12 @@ class Block(nnx.Module):
 
 class GPT(nnx.Module):
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs, dtype=None, attention_implementation: str | None = None,
-                 remat: str = "none", loss_chunk_len: int = DEFAULT_CHUNK_LEN):
+                 remat: str = "none", loss_chunk_len: int = DEFAULT_CHUNK_LEN, fp8: bool = False):
         """dtype: compute dtype of the matmuls (default: bf16 on accelerators, f32 on CPU).
         attention_implementation: 'cudnn' or 'xla' (default: cudnn on NVIDIA GPUs, else xla).
         remat: what each block keeps for the backward pass, a key of REMAT_POLICIES.
-        loss_chunk_len: positions per chunk of the loss head (jaxchat.loss)."""
+        loss_chunk_len: positions per chunk of the loss head (jaxchat.loss).
+        fp8: train the linear layers that pass nanochat's filter in fp8 (use_fp8)."""
         self.config = config
         self.dtype = jnp.dtype(dtype or compute_dtype())
         implementation = attention_implementation or default_implementation()
@@ -408,6 +432,7 @@ class GPT(nnx.Module):
             V, config.n_kv_head * config.head_dim, dtype=self.dtype, param_dtype=jnp.float32,
             embedding_init=_symmetric_uniform(math.sqrt(3.0 / C)),
             embedding_metadata={"logical_axes": ("vocab", "heads")}, rngs=rngs) for i in ve_layers}) if ve_layers else None
+        use_fp8(self, fp8)
 
     # ---- forward -------------------------------------------------------------------------------
     def _embed(self, idx: jax.Array) -> jax.Array:
@@ -469,7 +494,7 @@ class GPT(nnx.Module):
         x = self.hidden(idx)
         if targets is None:
             return softcap_logits(x, self._unembedding())
-        losses = token_losses(x, self._unembedding(), targets, self.loss_chunk_len)
+        losses = token_losses(x, self._unembedding(), targets, self.loss_chunk_len, fp8=self.lm_head.fp8_enabled)
         return reduce_losses(losses, targets >= 0, loss_reduction)
 
     def token_scores(self, idx: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -529,6 +554,17 @@ class GPT(nnx.Module):
         """Training FLOPs per token: 6 x the matmul weights (not wte, the value embeddings or the lambdas)
         + attention's 12*H*D*window per layer (estimate_flops)."""
         return estimate_flops(self.config)
+
+
+def use_fp8(model: nnx.Module, enabled: bool = True) -> tuple[int, int]:
+    """Switch the fp8 matmuls of a model's linear layers on or off: nanochat's convert_to_float8_training
+    with base_train.py's filter (nanochat at 92d63d4; jaxchat.fp8.eligible), lm_head included (its loss
+    head then runs in fp8, jaxchat.loss). The weights are untouched: evaluation and sampling switch fp8
+    off on the same parameters, as nanochat's disable_fp8. Returns (layers in fp8, linear layers)."""
+    layers = [node for _, node in nnx.iter_graph(model) if isinstance(node, Linear)]
+    for layer in layers:
+        layer.fp8_enabled = enabled and fp8.eligible(layer.in_features, layer.out_features)
+    return sum(layer.fp8_enabled for layer in layers), len(layers)
 
 
 def reduce_losses(losses: jax.Array, valid: jax.Array, reduction: str = "mean") -> jax.Array:

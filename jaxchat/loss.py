@@ -18,12 +18,18 @@ only each token's logsumexp, and the backward pass (a custom VJP) recomputes eac
 At most one chunk of (B, chunk_len, V) float32 values lives at a time. The matmuls take x's dtype
 (bfloat16 on accelerators) with float32 accumulation, so the logits are more exact than a bf16 matmul
 rounded to bf16 (what nanochat's autocast gives) and dw sums over chunks in float32.
+
+With fp8 (nanochat's fp8 lm_head, jaxchat.fp8): x and w are quantised to e4m3 once, over the whole
+tensor, and the forward pass keeps those (a quarter of float32) instead of x and w; each chunk's dz is
+quantised to e5m2 with its own scale; z, dx and dw come from fp8 matmuls dequantised by their scales.
 """
 
 from functools import partial
 
 import jax
 import jax.numpy as jnp
+
+from jaxchat import fp8
 
 LOGIT_SOFTCAP = 15.0
 DEFAULT_CHUNK_LEN = 128  # positions per chunk: d20 at 32 rows per device -> 1 GiB of float32 logits
@@ -55,61 +61,86 @@ def _unchunk(a: jax.Array) -> jax.Array:
     return jnp.moveaxis(a, 0, 1).reshape(B, n * c, *a.shape[3:])
 
 
-def _chunk_stats(x_c, w, targets_c):
-    """Per token of one chunk: logsumexp of the capped logits, the target's capped logit, and whether
-    the target is the argmax (greedy prediction). Targets of -1 match no column."""
-    s = softcap_logits(x_c, w)  # (B, c, V)
+def _chunk_stats(s, targets_c):
+    """Per token of one chunk of capped logits s (B, c, V): their logsumexp, the target's capped logit, and
+    whether the target is the argmax (greedy prediction). Targets of -1 match no column."""
     lse = jax.nn.logsumexp(s, axis=-1)
     hit = jax.lax.broadcasted_iota(jnp.int32, s.shape, s.ndim - 1) == targets_c[..., None]
     target_logit = jnp.sum(jnp.where(hit, s, 0.0), axis=-1)
     return lse, target_logit, jnp.argmax(s, axis=-1) == targets_c
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _token_losses(x, w, targets, chunk_len):
-    return _token_losses_fwd(x, w, targets, chunk_len)[0]
+def _head_operands(x, w, fp8_on: bool):
+    """What the forward pass keeps of x and w: themselves, or (with fp8) their e4m3 quantisations, each
+    with one scale for the whole tensor (jaxchat.fp8), as nanochat's fp8 lm_head saves for its backward."""
+    if not fp8_on:
+        return (x, None), (w, None)
+    return fp8.quantize(x, fp8.E4M3), fp8.quantize(w, fp8.E4M3)
 
 
-def _token_losses_fwd(x, w, targets, chunk_len):
+def _capped_logits(x_c, w, inv_x, inv_w):
+    """Soft-capped float32 logits of one chunk from _head_operands' values."""
+    if inv_x is None:
+        return softcap_logits(x_c, w)
+    z = fp8.scaled_dot(x_c, inv_x, w, inv_w, ((2,), (0,)), jnp.float32, fp8.FORWARD_PRECISION)
+    return LOGIT_SOFTCAP * jnp.tanh(z / LOGIT_SOFTCAP)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _token_losses(x, w, targets, chunk_len, fp8_dtypes):
+    return _token_losses_fwd(x, w, targets, chunk_len, fp8_dtypes)[0]
+
+
+def _token_losses_fwd(x, w, targets, chunk_len, fp8_dtypes):
     c = _chunk_len(x.shape[1], chunk_len)
+    (x, inv_x), (w, inv_w) = _head_operands(x, w, fp8_dtypes is not None)
 
     def body(_, chunk):
         x_c, t_c = chunk
-        lse, target_logit, _ = _chunk_stats(x_c, w, t_c)
+        lse, target_logit, _ = _chunk_stats(_capped_logits(x_c, w, inv_x, inv_w), t_c)
         return None, (lse, jnp.where(t_c >= 0, lse - target_logit, 0.0))
 
     _, (lse, losses) = jax.lax.scan(body, None, (_chunks(x, c), _chunks(targets, c)))
-    return _unchunk(losses), (x, w, targets, _unchunk(lse))
+    return _unchunk(losses), (x, inv_x, w, inv_w, targets, _unchunk(lse))
 
 
-def _token_losses_bwd(chunk_len, residuals, g):
-    x, w, targets, lse = residuals
+def _token_losses_bwd(chunk_len, fp8_dtypes, residuals, g):
+    """With fp8, dz is quantised to e5m2 chunk by chunk: the full (B, T, V) gradient of the logits, whose
+    amax nanochat's tensorwise scale reads, never exists here. A chunk's scale is at least as fine."""
+    x, inv_x, w, inv_w, targets, lse = residuals
+    x_dtype, w_dtype = fp8_dtypes or (x.dtype, w.dtype)
     c = _chunk_len(x.shape[1], chunk_len)
-    w_c = w.astype(x.dtype)
+    w_c = w.astype(x_dtype) if inv_x is None else None  # cast once, outside the scan
 
     def body(dw, chunk):
         x_c, t_c, lse_c, g_c = chunk
-        s = softcap_logits(x_c, w)
+        s = _capped_logits(x_c, w, inv_x, inv_w)
         onehot = jax.lax.broadcasted_iota(jnp.int32, s.shape, s.ndim - 1) == t_c[..., None]
         weight = jnp.where(t_c >= 0, g_c, 0.0)[..., None]
         ds = (jnp.exp(s - lse_c[..., None]) - onehot) * weight
-        dz = (ds * (1 - jnp.square(s / LOGIT_SOFTCAP))).astype(x.dtype)
-        dx_c = jnp.dot(dz, w_c.T, preferred_element_type=jnp.float32).astype(x.dtype)
-        dw = dw + jnp.einsum("bcd,bcv->dv", x_c, dz, preferred_element_type=jnp.float32)
-        return dw, dx_c
+        dz = (ds * (1 - jnp.square(s / LOGIT_SOFTCAP))).astype(x_dtype)
+        if inv_x is None:
+            dx_c = jnp.dot(dz, w_c.T, preferred_element_type=jnp.float32).astype(x_dtype)
+            return dw + jnp.einsum("bcd,bcv->dv", x_c, dz, preferred_element_type=jnp.float32), dx_c
+        q_dz, inv_dz = fp8.quantize(dz, fp8.E5M2)
+        dx_c = fp8.scaled_dot(q_dz, inv_dz, w, inv_w, ((2,), (1,)), x_dtype, fp8.BACKWARD_PRECISION)
+        return dw + fp8.scaled_dot(x_c, inv_x, q_dz, inv_dz, ((0, 1), (0, 1)), jnp.float32, fp8.BACKWARD_PRECISION), dx_c
 
     chunks = (_chunks(x, c), _chunks(targets, c), _chunks(lse, c), _chunks(g, c))
     dw, dx = jax.lax.scan(body, jnp.zeros(w.shape, jnp.float32), chunks)
-    return _unchunk(dx), dw.astype(w.dtype), None
+    return _unchunk(dx), dw.astype(w_dtype), None
 
 
 _token_losses.defvjp(_token_losses_fwd, _token_losses_bwd)
 
 
-def token_losses(x: jax.Array, w: jax.Array, targets: jax.Array, chunk_len: int = DEFAULT_CHUNK_LEN) -> jax.Array:
+def token_losses(x: jax.Array, w: jax.Array, targets: jax.Array, chunk_len: int = DEFAULT_CHUNK_LEN, *,
+                 fp8: bool = False) -> jax.Array:
     """Cross-entropy of each token, float32 (B, T), 0 where targets == -1. x: (B, T, C) final hidden
-    states; w: (C, V) unembedding with exactly the vocabulary's columns; targets: (B, T) int."""
-    return _token_losses(x, w, targets.astype(jnp.int32), chunk_len)
+    states; w: (C, V) unembedding with exactly the vocabulary's columns; targets: (B, T) int.
+    fp8: the three matmuls of the head in fp8 with tensorwise scales (jaxchat.fp8; dz's per chunk)."""
+    fp8_dtypes = (jnp.dtype(x.dtype), jnp.dtype(w.dtype)) if fp8 else None
+    return _token_losses(x, w, targets.astype(jnp.int32), chunk_len, fp8_dtypes)
 
 
 def token_scores(x: jax.Array, w: jax.Array, targets: jax.Array,
@@ -120,7 +151,7 @@ def token_scores(x: jax.Array, w: jax.Array, targets: jax.Array,
 
     def body(_, chunk):
         x_c, t_c = chunk
-        lse, target_logit, predicted = _chunk_stats(x_c, w, t_c)
+        lse, target_logit, predicted = _chunk_stats(softcap_logits(x_c, w), t_c)
         return None, (jnp.where(t_c >= 0, lse - target_logit, 0.0), predicted)
 
     _, (losses, predicted) = jax.lax.scan(body, None, (_chunks(x, c), _chunks(targets, c)))

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxchat.gpt import GPTConfig, count_params
+from jaxchat.gpt import GPTConfig, count_params, use_fp8
 from jaxchat.mesh import batch_sharding, make_mesh
 from jaxchat.optim import Optimizer, setup_optimizer
 from jaxchat.settings import RunSettings, SettingsError
@@ -131,6 +131,10 @@ def build_run(settings: RunSettings, vocab_size: int, *, mesh: Mesh | None = Non
     flops_per_token = model.estimate_flops()
     say(f"Number of parameters: {count_params(nnx.state(model, nnx.Param)):,} (scaling: {num_params:,})")
     say(f"Estimated FLOPs per token: {flops_per_token:e}")
+    if settings.fp8:
+        converted, linear = use_fp8(model)
+        say(f"✓ FP8 training enabled ({settings.fp8_recipe} scaling) - converted {converted}/{linear} linear layers, "
+            f"skipped {linear - converted} (too small)")
     num_iterations = training_horizon(settings, num_params, flops_per_token, say)
     total_tokens = settings.total_batch_size * num_iterations
     say(f"Total number of training tokens: {total_tokens:,}")

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxchat.checkpoint import parse_resume_step
+from jaxchat.fp8 import RECIPES as FP8_RECIPES
 from jaxchat.gpt import DEFAULT_RECIPE, REMAT_POLICIES, check_window_pattern, width_and_heads
 
 
@@ -81,6 +82,10 @@ class RunSettings:
     # Runtime
     device_type: str = setting("", "cuda|cpu (empty = autodetect)", "Runtime")
     recipe: str = setting(DEFAULT_RECIPE, f"nanochat recipe: {', '.join(RECIPES)}", "Runtime", nanochat=False)
+    # FP8 training
+    fp8: bool = setting(False, "enable FP8 training (fast on H100+; emulated, slow, on CPU)", "FP8 training")
+    fp8_recipe: str = setting("tensorwise", "FP8 scaling recipe: tensorwise (one scale per tensor, as nanochat's "
+                              "own fp8.py; rowwise is refused)", "FP8 training")
     # Model architecture
     depth: int = setting(20, "depth of the Transformer model", "Model architecture", positive=True)
     aspect_ratio: int = setting(64, "model_dim = depth * aspect_ratio", "Model architecture", positive=True)
@@ -164,6 +169,9 @@ class RunSettings:
                 raise SettingsError(f"{flag_name(field.name)} {value!r}: use one of {', '.join(meta['choices'])}")
         if self.num_iterations == self.target_flops == self.target_param_data_ratio == -1:
             raise SettingsError("no training horizon: set --num-iterations, --target-flops or --target-param-data-ratio")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise SettingsError(f"--fp8-recipe {self.fp8_recipe!r} is not supported: only 'tensorwise' (one scale per "
+                                "tensor), as nanochat's own fp8.py; rowwise needs the full torchao library there")
         if self.overwrite and self.resume_from_step != -1:
             raise SettingsError("--overwrite starts a new run and --resume-from-step continues one: pass one of them")
         try:
@@ -188,6 +196,8 @@ class RunSettings:
             kwargs["attention_implementation"] = self.attention
         if self.compute_dtype:
             kwargs["dtype"] = jnp.dtype(self.compute_dtype)
+        if self.fp8:
+            kwargs["fp8"] = True
         return kwargs
 
     def user_config(self) -> dict:

@@ -24,7 +24,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxchat.gpt import GPT, GPTConfig, abstract_model, logical_axes  # abstract_model: re-exported
+from jaxchat.gpt import GPT, GPTConfig, abstract_model, logical_axes, use_fp8  # abstract_model: re-exported
 from jaxchat.mesh import DATA_AXIS, REPLICATED, SHARDED, batch_sharding, shardings
 from jaxchat.optim import Optimizer
 
@@ -41,8 +41,11 @@ class TrainState:
     fsdp: bool = False
 
     def model(self) -> GPT:
-        """A GPT holding the current parameters (shares their buffers; for eval and sampling)."""
-        return nnx.merge(self.graphdef, self.params)
+        """A GPT holding the current parameters (shares their buffers; for eval and sampling), with fp8
+        matmuls off: evaluation and sampling run in the compute dtype, as nanochat's (disable_fp8)."""
+        model = nnx.merge(self.graphdef, self.params)
+        use_fp8(model, False)
+        return model
 
 
 def abstract_train_state(config: GPTConfig, optimizer: Optimizer, mesh: Mesh, *,

@@ -109,6 +109,8 @@ def build(settings: RunSettings, gpu_defaults_set: list[str] | None) -> tuple[Ru
            f"{'FSDP' if settings.fsdp else 'data parallel, ZeRO-1 optimizer state'} | remat {settings.remat}")
     if gpu_defaults_set:
         print0(f"GPU runtime defaults (not set by you): {' '.join(gpu_defaults_set)}")
+    if settings.fp8 and device.platform != "gpu":  # nanochat ignores --fp8 there; here it runs, for testing
+        print0(f"--fp8 on {device.platform}: XLA emulates the fp8 types (slow; fp8 GEMMs need a Hopper GPU or newer)")
     if settings.core_metric_every > 0:  # fetch the eval bundle now rather than fail hours into the run
         try:
             download_eval_bundle()

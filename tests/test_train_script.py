@@ -30,6 +30,7 @@ SMALL = ["--depth=2", "--max-seq-len=128", "--device-batch-size=4", "--total-bat
     (["--num-iterations=0"], "--num-iterations 0: -1 means off"),
     (["--save-every=0"], "--save-every 0: -1 means off"),
     (["--num-devices=-2"], "--num-devices -2: -1 means all"),
+    (["--fp8", "--fp8-recipe=rowwise"], "--fp8-recipe 'rowwise' is not supported: only 'tensorwise'"),
 ])
 def test_bad_input_stops_with_a_message(tmp_path, monkeypatch, capsys, flags, message):
     """In this process (main(argv) is the whole script): each must exit with status 2 and a message on
