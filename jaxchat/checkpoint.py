@@ -226,7 +226,7 @@ def _describe_differences(saved: dict, wanted: dict, limit: int = 5) -> str:
     return "\n  ".join(lines[:limit]) + more
 
 
-def _reason(error: BaseException) -> str:
+def error_reason(error: BaseException) -> str:
     """One line for an error: its innermost cause (Orbax wraps tensorstore's ValueError, which says what
     is wrong with which file, in a bare Exception whose message is a page of TensorStore spec)."""
     while error.__cause__ is not None or (error.__context__ is not None and not error.__suppress_context__):
@@ -386,7 +386,7 @@ class RunCheckpoints:
         steps = [int(name) for name in os.listdir(self.directory) if name.isdigit()]  # complete steps only
         newest = f"step {max(steps)} stays the newest complete checkpoint" if steps else "no complete checkpoint is left"
         return SaveFailedError(
-            f"saving checkpoint step {step} in {self.directory} failed ({_reason(error)}); {newest}. "
+            f"saving checkpoint step {step} in {self.directory} failed ({error_reason(error)}); {newest}. "
             "Free some space (or fix the permissions), then resume with --resume-from-step latest")
 
     def _wait(self) -> None:
@@ -462,6 +462,12 @@ class RunCheckpoints:
                 return step
         return None
 
+    def newest_committed_step(self) -> int | None:
+        """The newest step directory on disk now, without waiting for the save in flight (which may never
+        end: a lost peer process) or reading it: Orbax gives a step its name only once it is complete."""
+        steps = [int(name) for name in os.listdir(self.directory) if name.isdigit()]
+        return max(steps, default=None)
+
     def read_meta(self, step: int) -> dict:
         self.wait()
         problem = self._problem(step)
@@ -480,7 +486,7 @@ class RunCheckpoints:
         try:
             meta = self._read_meta(step)
         except Exception as e:  # noqa: BLE001 -- whatever Orbax raises about a damaged file
-            return f"its metadata cannot be read ({_reason(e)})"
+            return f"its metadata cannot be read ({error_reason(e)})"
         if not isinstance(meta, dict) or meta.get("step") != step or "model_config" not in meta or "items" not in meta:
             return "its metadata is not a jaxchat checkpoint's"
         for item in meta["items"]:
@@ -490,7 +496,7 @@ class RunCheckpoints:
                 try:
                     self._manager.item_metadata(step)[item].tree
                 except Exception as e:  # noqa: BLE001 -- whatever Orbax raises about a damaged file
-                    return f"its {item} metadata cannot be read ({_reason(e)})"
+                    return f"its {item} metadata cannot be read ({error_reason(e)})"
         return None
 
     def _candidates(self, step: int | str) -> list[int]:
@@ -570,7 +576,7 @@ class RunCheckpoints:
             restored = self._manager.restore(step, args=ocp.args.Composite(**args))
         except Exception as e:  # noqa: BLE001 -- tensorstore's ValueError about a truncated or missing file, in
             # a bare Exception from Orbax; the structure and shapes were checked above, so this is damage
-            raise IncompleteCheckpointError(f"{where}: its arrays cannot be read ({_reason(e)})") from e
+            raise IncompleteCheckpointError(f"{where}: its arrays cannot be read ({error_reason(e)})") from e
         return {"params": restored["params"], "opt_state": restored.get("opt_state"), "meta": meta}
 
     def _check_data_state(self, step: int) -> None:
