@@ -185,7 +185,7 @@ def setup(settings: RunSettings, gpu_defaults_set: list[str] | None) -> Session:
     import numpy as np
     import wandb
 
-    from jaxchat.checkpoint import LATEST, RunCheckpoints, check_writable, checkpoint_dir
+    from jaxchat.checkpoint import LATEST, RunCheckpoints, check_writable, checkpoint_dir, load_init_params
     from jaxchat.common import DummyWandb, get_base_dir, is_master, peak_flops_per_device, print0, tree_nbytes
     from jaxchat.report import get_report
     from jaxchat.train_loop import LoopPolicy, LoopState, StepLogger
@@ -214,6 +214,9 @@ def setup(settings: RunSettings, gpu_defaults_set: list[str] | None) -> Session:
         print0(f"Resumed optimization from step {loop.step}")
     else:
         state = run.init_state()
+        if settings.init_from:  # the weights only: the optimizer state just made, step 0, the data from its start
+            state.params = load_init_params(settings.init_from, run.config, state.params, state.param_shardings,
+                                            tokenizer, **settings.model_kwargs())
         loop = LoopState()
     # What a step line prints: the optimizer's own schedules, computed once for every step
     schedules = run.optimizer.schedules_at(np.arange(run.num_iterations + 1))
