@@ -9,6 +9,9 @@ import os
 import random
 import re
 import signal
+import socket
+import subprocess
+import sys
 import time
 
 import jax.numpy as jnp
@@ -221,3 +224,59 @@ def test_a_killed_host_ends_the_other_fast_with_one_line(pairs):
                         rf"{saved}\. Restart every process with --resume-from-step=latest", last), last
     # what 'latest' takes is that newest complete step: an unfinished save left behind is not a step
     assert_resumed_exactly(pairs["whole"], run["resumed"], newest or 0)
+
+
+# srun for a test without a cluster: the SLURM step's tasks as processes of this machine, each with the
+# variables srun gives a task (SLURM_PROCID, SLURM_LOCALID); any other command (the evaluations after
+# training) is only logged.
+FAKE_SRUN = """#!/usr/bin/env bash
+while [[ "$1" == --* ]]; do shift; done
+case "$*" in *scripts.train*) ;; *) echo "srun skipped: $*"; exit 0;; esac
+pids=()
+for ((i = 0; i < SLURM_NTASKS; i++)); do SLURM_PROCID=$i SLURM_LOCALID=0 "$@" & pids+=($!); done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit $status
+"""
+
+
+def slurm_job_id_with_a_free_port() -> str:
+    """A job id whose coordinator port (JAX's SLURM detection: 61440 + job id mod 4096) nothing listens on."""
+    while True:
+        job_id = random.randrange(4096)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", 61440 + job_id))
+                return str(job_id)
+            except OSError:
+                continue
+
+
+@pytest.mark.slow
+def test_the_slurm_script_trains_two_tasks(tmp_path, make_base_dir, subprocess_env):
+    """runs/multihost_slurm.sh as sbatch runs it on two nodes of one CPU each, both 127.0.0.1: JAX's own SLURM
+    detection starts jax.distributed from the variables, the script's flags and ours train a few steps."""
+    base_dir = make_base_dir(tmp_path / "base")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    env = subprocess_env(
+        PATH=f"{bin_dir}:{os.environ['PATH']}", JAXCHAT_BASE_DIR=str(base_dir), JAXCHAT_PYTHON=sys.executable,
+        SLURM_SUBMIT_DIR=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        SLURM_JOB_ID=slurm_job_id_with_a_free_port(), SLURM_JOB_NUM_NODES="2", SLURM_GPUS_ON_NODE="1",
+        SLURM_NTASKS="2", SLURM_STEP_NODELIST="127.0.0.1,127.0.0.1", SLURM_STEP_NUM_NODES="2",
+        JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env.pop("JAX_COORDINATOR_ADDRESS", None)
+    flags = ["--depth=2", "--max-seq-len=64", "--device-batch-size=4", "--total-batch-size=512", "--num-iterations=4",
+             "--eval-every=-1", "--core-metric-every=-1", "--sample-every=-1", "--device-type=cpu",
+             "--loader-workers=1", "--model-tag=slurm"]
+    script = os.path.join(env["SLURM_SUBMIT_DIR"], "runs", "multihost_slurm.sh")
+    done = subprocess.run(["bash", script, *flags], env=env, capture_output=True, text=True, timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "2 nodes x 1 GPUs" in out and "| 2 process(es), 2 cpu device(s) in the mesh" in out, out[-3000:]
+    assert [int(step) for step in re.findall(r"^step (\d+)/00004 ", out, re.M)] == [0, 1, 2, 3]
+    data = os.listdir(base_dir / "base_checkpoints" / "slurm" / "4" / "data")
+    assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(data)
+    assert "srun skipped: " in out and "scripts.base_loss" in out  # the evaluations come after training
