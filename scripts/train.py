@@ -89,13 +89,13 @@ def train(settings: RunSettings, gpu_defaults_set: list[str] | None = None) -> b
     session = setup(settings, gpu_defaults_set)
     try:
         stopped = run_loop(session)
+        finish(session)  # (its last save completes only with every process)
     except Exception as e:
         from jaxchat.train_loop import is_peer_failure
 
         if not is_peer_failure(e):
             raise
         end_after_lost_peer(session, e)
-    finish(session)
     return stopped
 
 
