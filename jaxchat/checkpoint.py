@@ -56,8 +56,8 @@ from jaxchat.run_lock import RunLock, RunLockedError, acquire_run_lock
 LATEST = "latest"  # restore(step=LATEST): the newest complete checkpoint
 # TRAINING_META_KEYS: checked when saving, so a wiring mistake shows at the first save rather than at the resume
 # Which train flag sets each model_config field, for messages about a mismatch.
-CONFIG_FLAGS = {"recipe": "--recipe", "n_layer": "--depth", "n_embd": "--depth and --aspect-ratio", "n_head": "--head-dim",
-                "n_kv_head": "--head-dim", "sequence_len": "--max-seq-len", "window_pattern": "--window-pattern",
+CONFIG_FLAGS = {"recipe": "--recipe", "n_layer": "--depth", "n_embd": "--depth and --aspect-ratio",
+                "n_head": "--head-dim", "n_kv_head": "--head-dim", "sequence_len": "--max-seq-len", "window_pattern": "--window-pattern",
                 "vocab_size": "the tokenizer"}
 _TMP_STEP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
 # Folders of a run directory beside its steps (names that are not step numbers: Orbax ignores them).
@@ -164,6 +164,7 @@ def check_compatible(meta: dict, model_config: GPTConfig | dict | None = None, t
     problems = []
     if model_config is not None:
         wanted = model_config if isinstance(model_config, dict) else dataclasses.asdict(model_config)
+        # (no recipe: from before recipes, the default one) another recipe is another model: one message for it
         saved_recipe, wanted_recipe = (config.get("recipe", DEFAULT_RECIPE) for config in (saved, wanted))
         if saved_recipe != wanted_recipe:
             raise CheckpointMismatchError(
@@ -388,8 +389,9 @@ class RunCheckpoints:
         self._replaced_dir = None
 
     def _save_failed(self, error: Exception, step: int | None) -> SaveFailedError:
-        steps = [int(name) for name in os.listdir(self.directory) if name.isdigit()]  # complete steps only
-        newest = f"step {max(steps)} stays the newest complete checkpoint" if steps else "no complete checkpoint is left"
+        newest = self.newest_committed_step()
+        newest = f"step {newest} stays the newest complete checkpoint" if newest is not None else \
+            "no complete checkpoint is left"
         return SaveFailedError(
             f"saving checkpoint step {step} in {self.directory} failed ({error_reason(error)}); {newest}. "
             "Free some space (or fix the permissions), then resume with --resume-from-step latest")
