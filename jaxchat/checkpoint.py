@@ -49,14 +49,15 @@ from jax.sharding import Mesh
 from jaxchat.checkpoint_meta import CHECKPOINTS_SUBDIR, TRAINING_META_KEYS, TrainingMeta, default_model_tag
 from jaxchat.common import get_base_dir, key_name, print0
 from jaxchat.gpt import DEFAULT_RECIPE, GPT, GPTConfig, abstract_model
+from jaxchat.interop import read_nanochat_meta
 from jaxchat.mesh import make_mesh, replicated
 from jaxchat.run_lock import RunLock, RunLockedError, acquire_run_lock
 
 LATEST = "latest"  # restore(step=LATEST): the newest complete checkpoint
 # TRAINING_META_KEYS: checked when saving, so a wiring mistake shows at the first save rather than at the resume
 # Which train flag sets each model_config field, for messages about a mismatch.
-CONFIG_FLAGS = {"n_layer": "--depth", "n_embd": "--depth and --aspect-ratio", "n_head": "--head-dim",
-                "n_kv_head": "--head-dim", "sequence_len": "--max-seq-len", "window_pattern": "--window-pattern",
+CONFIG_FLAGS = {"recipe": "--recipe", "n_layer": "--depth", "n_embd": "--depth and --aspect-ratio",
+                "n_head": "--head-dim", "n_kv_head": "--head-dim", "sequence_len": "--max-seq-len", "window_pattern": "--window-pattern",
                 "vocab_size": "the tokenizer"}
 _TMP_STEP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
 # Folders of a run directory beside its steps (names that are not step numbers: Orbax ignores them).
@@ -146,6 +147,15 @@ def training_meta(loop_meta: dict, model_config: GPTConfig, settings, tokenizer)
         tokenizer=tokenizer_info(tokenizer)))
 
 
+def config_differences(saved: dict, model_config: GPTConfig | dict) -> list[str]:
+    """Each model_config field where a checkpoint's differs from this run's, with the flag that sets it."""
+    wanted = model_config if isinstance(model_config, dict) else dataclasses.asdict(model_config)
+    # a model_config without a recipe is from before recipes: the default one
+    saved, wanted = ({**config, "recipe": config.get("recipe", DEFAULT_RECIPE)} for config in (saved, wanted))
+    return [f"{key}: checkpoint {saved.get(key)!r}, this run {wanted.get(key)!r} (set by {CONFIG_FLAGS.get(key, key)})"
+            for key in sorted(set(saved) | set(wanted)) if saved.get(key) != wanted.get(key)]
+
+
 def check_compatible(meta: dict, model_config: GPTConfig | dict | None = None, tokenizer=None,
                      where: str = "the checkpoint") -> None:
     """Raises CheckpointMismatchError, naming every difference and what to do, if the checkpoint's
@@ -154,17 +164,13 @@ def check_compatible(meta: dict, model_config: GPTConfig | dict | None = None, t
     problems = []
     if model_config is not None:
         wanted = model_config if isinstance(model_config, dict) else dataclasses.asdict(model_config)
-        # a model_config without a recipe is from before recipes: the default one
+        # (no recipe: from before recipes, the default one) another recipe is another model: one message for it
         saved_recipe, wanted_recipe = (config.get("recipe", DEFAULT_RECIPE) for config in (saved, wanted))
         if saved_recipe != wanted_recipe:
             raise CheckpointMismatchError(
                 f"{where} holds a --recipe {saved_recipe} model, this run builds --recipe {wanted_recipe}: pass "
                 f"--recipe {saved_recipe} to continue or load it, or start a new run under another --model-tag")
-        saved, wanted = ({**config, "recipe": saved_recipe} for config in (saved, wanted))
-        for key in sorted(set(saved) | set(wanted)):
-            if saved.get(key) != wanted.get(key):
-                flag = CONFIG_FLAGS.get(key, key)
-                problems.append(f"{key}: checkpoint {saved.get(key)!r}, this run {wanted.get(key)!r} (set by {flag})")
+        problems = config_differences(saved, wanted)
     if tokenizer is not None:
         vocab_size = tokenizer.get_vocab_size()
         recorded = meta.get("tokenizer") or {}
@@ -226,7 +232,7 @@ def _describe_differences(saved: dict, wanted: dict, limit: int = 5) -> str:
     return "\n  ".join(lines[:limit]) + more
 
 
-def _reason(error: BaseException) -> str:
+def error_reason(error: BaseException) -> str:
     """One line for an error: its innermost cause (Orbax wraps tensorstore's ValueError, which says what
     is wrong with which file, in a bare Exception whose message is a page of TensorStore spec)."""
     while error.__cause__ is not None or (error.__context__ is not None and not error.__suppress_context__):
@@ -383,10 +389,11 @@ class RunCheckpoints:
         self._replaced_dir = None
 
     def _save_failed(self, error: Exception, step: int | None) -> SaveFailedError:
-        steps = [int(name) for name in os.listdir(self.directory) if name.isdigit()]  # complete steps only
-        newest = f"step {max(steps)} stays the newest complete checkpoint" if steps else "no complete checkpoint is left"
+        newest = self.newest_committed_step()
+        newest = f"step {newest} stays the newest complete checkpoint" if newest is not None else \
+            "no complete checkpoint is left"
         return SaveFailedError(
-            f"saving checkpoint step {step} in {self.directory} failed ({_reason(error)}); {newest}. "
+            f"saving checkpoint step {step} in {self.directory} failed ({error_reason(error)}); {newest}. "
             "Free some space (or fix the permissions), then resume with --resume-from-step latest")
 
     def _wait(self) -> None:
@@ -462,6 +469,12 @@ class RunCheckpoints:
                 return step
         return None
 
+    def newest_committed_step(self) -> int | None:
+        """The newest step directory on disk now, without waiting for the save in flight (which may never
+        end: a lost peer process) or reading it: Orbax gives a step its name only once it is complete."""
+        steps = [int(name) for name in os.listdir(self.directory) if name.isdigit()]
+        return max(steps, default=None)
+
     def read_meta(self, step: int) -> dict:
         self.wait()
         problem = self._problem(step)
@@ -480,7 +493,7 @@ class RunCheckpoints:
         try:
             meta = self._read_meta(step)
         except Exception as e:  # noqa: BLE001 -- whatever Orbax raises about a damaged file
-            return f"its metadata cannot be read ({_reason(e)})"
+            return f"its metadata cannot be read ({error_reason(e)})"
         if not isinstance(meta, dict) or meta.get("step") != step or "model_config" not in meta or "items" not in meta:
             return "its metadata is not a jaxchat checkpoint's"
         for item in meta["items"]:
@@ -490,7 +503,7 @@ class RunCheckpoints:
                 try:
                     self._manager.item_metadata(step)[item].tree
                 except Exception as e:  # noqa: BLE001 -- whatever Orbax raises about a damaged file
-                    return f"its {item} metadata cannot be read ({_reason(e)})"
+                    return f"its {item} metadata cannot be read ({error_reason(e)})"
         return None
 
     def _candidates(self, step: int | str) -> list[int]:
@@ -570,7 +583,7 @@ class RunCheckpoints:
             restored = self._manager.restore(step, args=ocp.args.Composite(**args))
         except Exception as e:  # noqa: BLE001 -- tensorstore's ValueError about a truncated or missing file, in
             # a bare Exception from Orbax; the structure and shapes were checked above, so this is damage
-            raise IncompleteCheckpointError(f"{where}: its arrays cannot be read ({_reason(e)})") from e
+            raise IncompleteCheckpointError(f"{where}: its arrays cannot be read ({error_reason(e)})") from e
         return {"params": restored["params"], "opt_state": restored.get("opt_state"), "meta": meta}
 
     def _check_data_state(self, step: int) -> None:
@@ -622,3 +635,55 @@ def load_model(model_tag: str | None = None, step: int | None = None, base_dir: 
         params, _, meta = ckpt.restore(step, abstract_params, None, shardings, tokenizer=tokenizer)
     print0(f"Loaded {model_tag} step {step} from {ckpt.directory}")
     return nnx.merge(graphdef, params, rest), meta
+
+
+# ---- starting a new run from given weights (--init-from) ----------------------------------------
+
+def load_init_params(path: str, model_config: GPTConfig, abstract_params, shardings, tokenizer=None,
+                     **model_kwargs):
+    """The parameters of `path`, placed on `shardings`, for a new run (--init-from): a jaxchat run directory
+    (its newest complete step), one of its step directories, or nanochat weights (model_<step>.pt or
+    .safetensors, with meta_<step>.json beside them). Only the weights: optimizer, schedule, data and step
+    start anew. CheckpointError, one line, if path is none of these or its model is not this run's.
+    model_kwargs: the run's GPT keyword arguments (recipe features), for nanochat's weights."""
+    where = f"--init-from {path}"
+    if os.path.isfile(path):
+        from jaxchat.interop import (config_from_nanochat_meta, from_nanochat_state_dict, load_nanochat_state_dict,
+                                     recipe_of_state_dict)
+
+        try:
+            saved = config_from_nanochat_meta(read_nanochat_meta(path, None)[0], path)
+            state_dict = load_nanochat_state_dict(path)
+            # nanochat's meta does not name the recipe: its parameter names do
+            saved = dataclasses.replace(saved, recipe=recipe_of_state_dict(saved, state_dict))
+            _check_init_config(where, dataclasses.asdict(saved), model_config)
+            model = from_nanochat_state_dict(model_config, state_dict, **model_kwargs)
+        except ValueError as e:
+            raise CheckpointError(f"{where}: {e}") from None
+        print0(f"Initialised the weights from nanochat's {path}; optimizer, schedule and data start anew")
+        return jax.device_put(nnx.state(model, nnx.Param), shardings)
+    if not os.path.isdir(path):
+        raise NoCheckpointError(f"{where}: no such file or directory; give a jaxchat run directory, one of its step "
+                                "directories, or nanochat's model_<step>.pt")
+    name = os.path.basename(os.path.normpath(path))
+    run_dir, step = (os.path.dirname(os.path.normpath(path)), int(name)) if name.isdigit() else (path, None)
+    try:
+        ckpt = RunCheckpoints(run_dir, read_only=True)
+    except CheckpointError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    with ckpt:
+        step = ckpt.latest_step() if step is None else step
+        if step is None:
+            raise NoCheckpointError(f"{where}: no complete checkpoint there; give a jaxchat run directory "
+                                    "(base_checkpoints/<tag>), one of its step directories, or nanochat's model_<step>.pt")
+        _check_init_config(where, ckpt.read_meta(step)["model_config"], model_config)
+        params, _, _ = ckpt.restore(step, abstract_params, None, shardings, tokenizer=tokenizer)
+    print0(f"Initialised the weights from step {step} of {run_dir}; optimizer, schedule and data start anew")
+    return params
+
+
+def _check_init_config(where: str, saved: dict, model_config: GPTConfig) -> None:
+    problems = config_differences(saved, model_config)
+    if problems:
+        raise CheckpointMismatchError(f"{where}: another architecture than this run's ({'; '.join(problems)}): "
+                                      "pass the flags and --recipe it was trained with")

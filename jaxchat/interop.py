@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxchat.checkpoint_meta import nanochat_files
+from jaxchat.checkpoint_meta import NANOCHAT_WEIGHTS_FILE, nanochat_files
 from jaxchat.gpt import GPT, RECIPES, GPTConfig, abstract_model
 from jaxchat.staged_files import StagedFiles
 from jaxchat.tokenizer import Tokenizer
@@ -235,6 +235,27 @@ def load_nanochat_state_dict(path: str) -> dict[str, np.ndarray]:
         raise ValueError(f"{path}: nanochat weights are model_<step>.pt or .safetensors files")
     return {name.removeprefix(TORCH_COMPILE_PREFIX): value for name, value in arrays.items()}
 
+
+def default_meta_path(weights_path: str) -> str:
+    match = NANOCHAT_WEIGHTS_FILE.search(os.path.basename(weights_path))
+    if not match:
+        raise ValueError(f"cannot tell the step of {weights_path} (not model_<step>.pt or .safetensors): pass --meta")
+    return os.path.join(os.path.dirname(weights_path), nanochat_files(int(match.group(1)))[1])
+
+
+def read_nanochat_meta(weights_path: str, meta_path: str | None) -> tuple[dict, str]:
+    """(nanochat's meta, its path): --meta, or meta_<step>.json beside the weights."""
+    given = meta_path is not None
+    meta_path = meta_path or default_meta_path(weights_path)
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            return json.load(f), meta_path
+    except FileNotFoundError:
+        missing = f"--meta {meta_path} does not exist" if given else \
+            f"no meta file beside the weights ({meta_path}, where nanochat writes it)"
+        raise ValueError(f"{missing}: pass the meta file's path with --meta") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{meta_path} is not a nanochat meta file (not JSON: {e}): pass the right one with --meta") from None
 
 # ---- tokenizer.pkl and token_bytes.pt ------------------------------------------------------------
 

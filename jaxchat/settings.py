@@ -115,6 +115,10 @@ class RunSettings:
     resume_from_step: int | str = setting(-1, "resume training from this step (-1 = disable, 'latest' = newest "
                                           "complete checkpoint, or a fresh start if there is none)", "Optimization",
                                           parse=parse_resume_step)
+    init_from: str | None = setting(None, "start a new run from these weights: a jaxchat run directory (its newest "
+                                    "step) or step directory, or nanochat's model_<step>.pt with its meta_<step>.json "
+                                    "beside it; optimizer, schedule, data and step start anew", "Optimization",
+                                    nanochat=False)
     # Evaluation
     eval_every: int = setting(250, "evaluate val bpb every N steps (-1 = disable)", "Evaluation", off="off")
     eval_tokens: int = setting(20 * 524288, "number of tokens to evaluate val loss on", "Evaluation")

@@ -1,15 +1,23 @@
 """The training loop's policy, each rule once: when to evaluate, save, run CORE and sample (one "every N
 steps" rule), which steps are timed, what a step line prints, what the loop carries between steps and
-saves in every checkpoint, how a signal stops it and with which exit status. scripts.train runs the loop.
+saves in every checkpoint, how a signal stops it (every process at the same step) and with which exit
+status, what a lost peer process ends it with. scripts.train runs the loop.
 
 The step loop runs num_iterations + 1 times (as base_train.py): the last pass only evaluates and saves.
 """
 
 import dataclasses
+import re
 import signal
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
 from jaxchat.common import print0
+from jaxchat.mesh import DATA_AXIS
 
 # Exit status of a run stopped by SIGTERM/SIGINT after saving its checkpoint (EX_TEMPFAIL of sysexits.h):
 # the run is not finished; the same command with --resume-from-step=latest carries it on. 0: finished.
@@ -17,6 +25,11 @@ EXIT_STOPPED = 75
 # Exit status of a run whose checkpoint could not be written (no space, permission lost; EX_IOERR): the
 # previous complete step is intact, and --resume-from-step=latest carries on once the disk is fixed.
 EXIT_SAVE_FAILED = 74
+# Exit status of a process of a multi-process run whose peer died (a lost node, an OOM kill; EX_UNAVAILABLE):
+# the step in flight is lost, the newest complete checkpoint is intact (an unfinished save is never
+# renamed to its step, so 'latest' does not pick it), and restarting every process with
+# --resume-from-step=latest carries the run on exactly.
+EXIT_PEER_LOST = 69
 EMA_BETA = 0.9  # smoothing of the printed training loss
 # Steps 0..TIMING_WARMUP_STEPS compile and warm up: their time is left out of total_training_time, the
 # ETA and the average tok/s (as base_train.py's `step > 10`)
@@ -91,19 +104,52 @@ class LoopPolicy:
 
 
 class StopSignals:
-    """SIGTERM / SIGINT: the loop finishes the step in flight, saves and exits with EXIT_STOPPED; a second
-    signal stops at once, without a checkpoint."""
+    """SIGTERM / SIGINT on any process: every process stops at the same step, saves it and exits with
+    EXIT_STOPPED; a second signal stops this process at once, without a checkpoint.
 
-    def __init__(self):
+    A signal reaches the processes of a job at different moments, or only some of them, so no process
+    stops on its own: each step carries every process's "stop requested" flag into a tiny all-reduce
+    (vote), and its result comes back with that step's metrics, one step late (StepLogger.flush). Every
+    process reads the same result at the same point of the loop, so all agree on the step to stop at
+    without a host sync of their own."""
+
+    def __init__(self, mesh: Mesh):
         self.received: list[int] = []
+        devices = mesh.devices.flat
+        self._local_devices = sum(d.process_index == jax.process_index() for d in devices)
+        self._sharding = NamedSharding(mesh, P(DATA_AXIS))
+        self._any = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, P()))
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
         if self.received:
             raise KeyboardInterrupt
-        print0(f"Signal {signum} received: finishing the current step, then saving a checkpoint")
+        where = f" by process {jax.process_index()}" if jax.process_count() > 1 else ""
+        print(f"Signal {signum} received{where}: stopping at a step every process agrees on, then saving a "
+              "checkpoint (a second signal stops at once, without saving)", flush=True)
         self.received.append(signum)
+
+    def vote(self) -> jax.Array:
+        """This step's vote: 1 (a device scalar, replicated) if any process has received a signal."""
+        local = np.full((self._local_devices,), bool(self.received), np.int32)
+        return self._any(jax.make_array_from_process_local_data(self._sharding, local))
+
+
+# What a failed collective says when its peer process is gone: Gloo's (CPU) and NCCL's errors, the
+# coordination service's. Matched in the message of the error and of its causes.
+_PEER_FAILURE = re.compile(r"gloo|nccl|connection (reset|closed|refused)|heartbeat|unavailable|broken pipe", re.I)
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether error (or one of its causes) is a collective failing because another process is gone."""
+    if jax.process_count() == 1:
+        return False
+    while error is not None:
+        if _PEER_FAILURE.search(str(error)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 class StepLogger:
@@ -114,6 +160,7 @@ class StepLogger:
     def __init__(self, run, peak_flops: float | None, schedules: dict, wandb_run):
         self.run, self.peak_flops, self.schedules, self.wandb_run = run, peak_flops, schedules, wandb_run
         self.pending = None  # (step, metrics, dispatched_at, epoch) not read yet
+        self.stop_agreed = False  # the stop vote of the newest step read (StopSignals): the same on every process
         self.curve = []  # (step, loss, val_bpb) rows for the report's CSV, not written yet
         self.mfu = None
         self.restart_clock()
@@ -136,6 +183,7 @@ class StepLogger:
         s, metrics, dispatched_at, epoch = self.pending
         self.pending = None
         loss = float(metrics["loss"])
+        self.stop_agreed = self.stop_agreed or bool(metrics.get("stop", False))
         now = time.perf_counter()
         dt = now - max(self.last_done, dispatched_at)  # device time of step s: since s-1 finished, or since s was sent
         self.last_done = now

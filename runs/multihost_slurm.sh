@@ -5,6 +5,9 @@
 #
 #   sbatch runs/multihost_slurm.sh                   # 2 nodes x 8 GPUs, as set below
 #   sbatch --nodes=4 runs/multihost_slurm.sh
+#   sbatch runs/multihost_slurm.sh --depth=26        # arguments: more flags for scripts.train (they win)
+#
+#   JAXCHAT_PYTHON   a Python with jaxchat installed, instead of this checkout's .venv (the tests)
 #
 # Before the first job, once, from a login or compute node: the virtual environment, the data and the
 # tokenizer, as runs/speedrun.sh makes them (its first three sections). Everything below must be on a
@@ -23,16 +26,17 @@
 #SBATCH --output=%x-%j.log
 #SBATCH --requeue
 #SBATCH --signal=TERM@180
-# --requeue and --signal: SLURM sends SIGTERM 3 minutes before the time limit (or on preemption); each
-# process finishes its step, the checkpoint is saved, and the requeued job's --resume-from-step=latest
-# continues from it.
+# --requeue and --signal: SLURM sends SIGTERM 3 minutes before the time limit (or on preemption); the
+# processes agree on a step to stop at (even if only some got the signal), save it, and the requeued job's
+# --resume-from-step=latest continues from it. A task that dies makes the others exit with 69 within
+# seconds (jaxchat/train_loop.py's EXIT_PEER_LOST): the job fails fast, and a requeue resumes it exactly.
 set -euo pipefail
 cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
 
 export JAXCHAT_BASE_DIR="${JAXCHAT_BASE_DIR:-$HOME/.cache/jaxchat}"
 export PYTHONUNBUFFERED=1
 WANDB_RUN="${WANDB_RUN:-dummy}"
-PYTHON="$PWD/.venv/bin/python"
+PYTHON="${JAXCHAT_PYTHON:-$PWD/.venv/bin/python}"
 
 # nanochat's batch of 524,288 tokens = device_batch_size x 2048 x GPUs over all nodes (16 rows per GPU on 16 GPUs)
 GPUS=$((SLURM_JOB_NUM_NODES * ${SLURM_GPUS_ON_NODE:-8}))
@@ -52,7 +56,7 @@ echo "$SLURM_JOB_NUM_NODES nodes x ${SLURM_GPUS_ON_NODE:-8} GPUs: $DEVICE_BATCH 
 status=0
 srun --ntasks-per-node=1 --wait=60 "$PYTHON" -m scripts.train --depth=20 \
     --device-batch-size="$DEVICE_BATCH" --save-every=500 --keep-checkpoints=2 --resume-from-step=latest \
-    --run="$WANDB_RUN" || status=$?
+    --run="$WANDB_RUN" "$@" || status=$?
 # stopped by SIGTERM (time limit): the checkpoint is saved; queue the job again rather than evaluate a half run
 if [ "$status" -eq 75 ]; then
     scontrol requeue "$SLURM_JOB_ID" || true  # (on preemption SLURM requeues it already)

@@ -35,11 +35,12 @@ import safetensors.numpy
 from flax import nnx
 
 from jaxchat.checkpoint import CheckpointError, RunCheckpoints, find_model_tag, load_model, tokenizer_info
-from jaxchat.checkpoint_meta import (CHECKPOINTS_SUBDIR, NANOCHAT_WEIGHTS_FILE, TOKENIZER_SUBDIR, TRAINING_META_KEYS,
+from jaxchat.checkpoint_meta import (CHECKPOINTS_SUBDIR, TOKENIZER_SUBDIR, TRAINING_META_KEYS,
                                      default_model_tag, nanochat_files)
 from jaxchat.common import fail, get_base_dir, quiet_jax_warnings
 from jaxchat.interop import (TOKEN_BYTES_PT, TOKENIZER_PICKLE, config_from_nanochat_meta, from_nanochat_state_dict,
-                             load_nanochat_state_dict, load_nanochat_tokenizer, nanochat_meta, recipe_of_state_dict,
+                             load_nanochat_state_dict, load_nanochat_tokenizer, nanochat_meta, read_nanochat_meta,
+                             recipe_of_state_dict,
                              save_nanochat_checkpoint, save_nanochat_tokenizer, to_nanochat_state_dict)
 from jaxchat.staged_files import StagedFiles, check_writable_dir
 from jaxchat.tokenizer import get_tokenizer
@@ -98,28 +99,6 @@ def export_checkpoint(model_tag: str | None = None, step: int | None = None, out
     return weights_path, meta_path
 
 
-def _default_meta_path(weights_path: str) -> str:
-    match = NANOCHAT_WEIGHTS_FILE.search(os.path.basename(weights_path))
-    if not match:
-        raise ValueError(f"cannot tell the step of {weights_path} (not model_<step>.pt or .safetensors): pass --meta")
-    return os.path.join(os.path.dirname(weights_path), nanochat_files(int(match.group(1)))[1])
-
-
-def _read_nanochat_meta(weights_path: str, meta_path: str | None) -> tuple[dict, str]:
-    """(nanochat's meta, its path): --meta, or meta_<step>.json beside the weights."""
-    given = meta_path is not None
-    meta_path = meta_path or _default_meta_path(weights_path)
-    try:
-        with open(meta_path, encoding="utf-8") as f:
-            return json.load(f), meta_path
-    except FileNotFoundError:
-        missing = f"--meta {meta_path} does not exist" if given else \
-            f"no meta file beside the weights ({meta_path}, where nanochat writes it)"
-        raise ValueError(f"{missing}: pass the meta file's path with --meta") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{meta_path} is not a nanochat meta file (not JSON: {e}): pass the right one with --meta") from None
-
-
 def _default_tokenizer_path(weights_path: str) -> str | None:
     """tokenizer/tokenizer.pkl of the nanochat base dir holding base_checkpoints/<tag>/model_<step>.pt, if any."""
     nanochat_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(weights_path))))
@@ -132,7 +111,7 @@ def import_weights(weights_path: str, meta_path: str | None = None, tokenizer_pa
     """Writes nanochat weights (.pt or .safetensors) as a weights-only jaxchat checkpoint, and nanochat's
     tokenizer (tokenizer_path; default: beside the weights in nanochat's layout, if there) as jaxchat's;
     returns the checkpoint's directory."""
-    source_meta, meta_path = _read_nanochat_meta(weights_path, meta_path)
+    source_meta, meta_path = read_nanochat_meta(weights_path, meta_path)
     config = config_from_nanochat_meta(source_meta, meta_path)
     step = step if step is not None else source_meta.get("step")
     if step is None:

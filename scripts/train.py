@@ -87,9 +87,39 @@ def train(settings: RunSettings, gpu_defaults_set: list[str] | None = None) -> b
 
     quiet_jax_warnings()
     session = setup(settings, gpu_defaults_set)
-    stopped = run_loop(session)
-    finish(session)
+    try:
+        stopped = run_loop(session)
+        finish(session)  # (its last save completes only with every process)
+    except Exception as e:
+        from jaxchat.train_loop import is_peer_failure
+
+        if not is_peer_failure(e):
+            raise
+        end_after_lost_peer(session, e)
     return stopped
+
+
+def end_after_lost_peer(s: Session, error: Exception) -> None:
+    """Another process of the run is gone: one line, naming it and the newest complete checkpoint, then
+    exit at once with EXIT_PEER_LOST. os._exit: an orderly exit would wait at jax.distributed's shutdown
+    barrier (and Orbax's) for the lost process, and abort there with a page of native stack trace."""
+    import os
+
+    import jax
+
+    from jaxchat.checkpoint import error_reason
+    from jaxchat.mesh import missing_processes
+    from jaxchat.train_loop import EXIT_PEER_LOST
+
+    missing = missing_processes()
+    lost = "process 0 (the coordinator)" if missing is None else \
+        f"process{'es' if len(missing) > 1 else ''} {', '.join(map(str, missing)) or '(none named: all answered)'}"
+    newest = s.checkpointer.newest_committed_step()
+    saved = f"step {newest}" if newest is not None else "none yet"
+    print(f"error: process {jax.process_index()} lost {lost} of {jax.process_count()} in step {s.loop.step} "
+          f"({error_reason(error)}); the newest complete checkpoint: {saved}. Restart every process with "
+          "--resume-from-step=latest", file=sys.stderr, flush=True)
+    os._exit(EXIT_PEER_LOST)
 
 
 def build(settings: RunSettings, gpu_defaults_set: list[str] | None) -> tuple[Run, Tokenizer, Any]:
@@ -155,7 +185,7 @@ def setup(settings: RunSettings, gpu_defaults_set: list[str] | None) -> Session:
     import numpy as np
     import wandb
 
-    from jaxchat.checkpoint import LATEST, RunCheckpoints, check_writable, checkpoint_dir
+    from jaxchat.checkpoint import LATEST, RunCheckpoints, check_writable, checkpoint_dir, load_init_params
     from jaxchat.common import DummyWandb, get_base_dir, is_master, peak_flops_per_device, print0, tree_nbytes
     from jaxchat.report import get_report
     from jaxchat.train_loop import LoopPolicy, LoopState, StepLogger
@@ -184,6 +214,9 @@ def setup(settings: RunSettings, gpu_defaults_set: list[str] | None) -> Session:
         print0(f"Resumed optimization from step {loop.step}")
     else:
         state = run.init_state()
+        if settings.init_from:  # the weights only: the optimizer state just made, step 0, the data from its start
+            state.params = load_init_params(settings.init_from, run.config, state.params, state.param_shardings,
+                                            tokenizer, **settings.model_kwargs())
         loop = LoopState()
     # What a step line prints: the optimizer's own schedules, computed once for every step
     schedules = run.optimizer.schedules_at(np.arange(run.num_iterations + 1))
@@ -255,7 +288,7 @@ def run_loop(s: Session) -> bool:
     loop, logger, policy = s.loop, s.logger, s.policy
     batch_spec = batch_sharding(s.run.mesh)
     train_step = s.run.train_step()
-    stop = StopSignals()
+    stop = StopSignals(s.run.mesh)
     # each piece of work between steps; the save comes before CORE and samples, so that nothing they do
     # can cost the run its checkpoint
     between_steps = [(policy.eval, evaluate_val), (policy.save, save), (policy.core, evaluate_core_metric),
@@ -270,13 +303,12 @@ def run_loop(s: Session) -> bool:
                 work(s, step)
                 saved = saved or rule is policy.save
                 logger.restart_clock()
-        if stop.received and not last_step:
+        if logger.stop_agreed and not last_step:  # every process reaches this at the same step
             logger.flush(loop)
             if not saved and step != policy.start_step:
                 save(s, step)
             s.checkpointer.wait()
-            print0(f"Stopped by signal {stop.received[0]} after step {step}: checkpoint saved. "
-                   f"Resume with --resume-from-step={step}")
+            print0(f"Stopped by a signal after step {step}: checkpoint saved. Resume with --resume-from-step={step}")
             return True
         if last_step:
             return False
@@ -284,6 +316,7 @@ def run_loop(s: Session) -> bool:
         dispatched_at = time.perf_counter()
         s.state.params, s.state.opt_state, metrics = train_step(
             s.state.params, s.state.opt_state, put_batch(inputs, batch_spec), put_batch(targets, batch_spec))
+        metrics["stop"] = stop.vote()  # sent with the step, read with its metrics
         logger.flush(loop)
         logger.pending = (step, metrics, dispatched_at, s.train_loader.get_state().get("epoch", 1))
         loop.step += 1

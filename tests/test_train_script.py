@@ -6,13 +6,20 @@ curve across it: test_checkpoint.py.)"""
 import contextlib
 import glob
 import os
+import random
 import re
+import signal
+import socket
+import subprocess
+import sys
+import time
 
 import jax.numpy as jnp
 import pytest
 
 from jaxchat.checkpoint import RunCheckpoints
 from jaxchat.tokenizer import Tokenizer
+from jaxchat.train_loop import EXIT_PEER_LOST, EXIT_STOPPED
 from scripts import train as train_script
 
 SMALL = ["--depth=2", "--max-seq-len=128", "--device-batch-size=4", "--total-batch-size=512", "--num-devices=1"]
@@ -97,12 +104,17 @@ def test_unreachable_core_bundle_stops_before_training(tmp_path, start_train, fr
     assert "--core-metric-every=-1" in out
 
 
+def start_two_processes(base_dir, start_train, port, *flags) -> list:
+    """scripts.train as two hosts of one CPU device each (jax.distributed on 127.0.0.1): their Popens."""
+    return [start_train(base_dir, *flags, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+                        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+                        JAX_PROCESS_ID=str(process_id))
+            for process_id in range(2)]
+
+
 def train_two_processes(base_dir, start_train, port, *flags) -> str:
-    """scripts.train as two hosts of one CPU device each (jax.distributed on 127.0.0.1); process 0's output."""
-    procs = [start_train(base_dir, *flags, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
-                         JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-                         JAX_PROCESS_ID=str(process_id))
-             for process_id in range(2)]
+    """Two processes trained to their end (both exit 0); process 0's output."""
+    procs = start_two_processes(base_dir, start_train, port, *flags)
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     for p, out in zip(procs, outputs):
         assert p.returncode == 0, out[-3000:]
@@ -130,3 +142,141 @@ def test_two_hosts_train_save_and_resume_exactly(tmp_path, make_base_dir, start_
     assert resumed_losses == {step: whole_losses[step] for step in resumed_losses}
     bpb = re.compile(r"^Step 00006 \| Validation bpb: ([\d.]+)$", re.M)
     assert len(bpb.findall(whole)) == 1 and bpb.findall(resumed) == bpb.findall(whole)
+
+
+# Two hosts stopped and lost: the uninterrupted pair, a pair of which one process gets SIGTERM, one of which
+# one process is killed, each resumed with --resume-from-step=latest (as a requeued SLURM job).
+PAIR_FLAGS = ["--depth=2", "--max-seq-len=64", "--device-batch-size=4", "--total-batch-size=512",
+              "--num-iterations=10", "--eval-every=-1", "--core-metric-every=-1", "--sample-every=-1",
+              "--save-every=3", "--device-type=cpu", "--loader-workers=1", "--resume-from-step=latest"]
+STEP_LINE = re.compile(r"^step (\d+)/00010 .*?\| loss: ([\d.]+) \|", re.M)
+
+
+def interrupt_pair_at(base_dir, start_train, port, tag: str, step: int, sig: int) -> tuple[list, list[str], float]:
+    """Two processes on run `tag`; `sig` to process 1 alone once process 0 printed `step`. (Popens, outputs,
+    the time the signal was sent.)"""
+    procs = start_two_processes(base_dir, start_train, port, *PAIR_FLAGS, f"--model-tag={tag}")
+    head = []
+    for line in procs[0].stdout:
+        head.append(line)
+        if line.startswith(f"step {step:05d}/"):
+            break
+    procs[1].send_signal(sig)
+    sent = time.monotonic()
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    return procs, ["".join(head) + outputs[0], outputs[1]], sent
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory, make_base_dir, start_train, free_port):
+    """{'whole': its losses, 'term'/'kill': (Popens, outputs, signal time, step signalled, steps on disk, resumed
+    pair's process 0 output)} in one base dir."""
+    base_dir = make_base_dir(tmp_path_factory.mktemp("pairs"))
+    result = {"base": base_dir,
+              "whole": train_two_processes(base_dir, start_train, free_port(), *PAIR_FLAGS, "--model-tag=whole")}
+    for name, sig in (("term", signal.SIGTERM), ("kill", signal.SIGKILL)):
+        at = random.randint(1, 5)  # the stop is agreed a step or two later: before step 10, the last
+        procs, outputs, sent = interrupt_pair_at(base_dir, start_train, free_port(), name, at, sig)
+        ended = time.monotonic() - sent
+        on_disk = sorted(os.listdir(base_dir / "base_checkpoints" / name))
+        resumed = train_two_processes(base_dir, start_train, free_port(), *PAIR_FLAGS, f"--model-tag={name}")
+        result[name] = {"procs": procs, "outputs": outputs, "seconds": ended, "at": at, "on_disk": on_disk,
+                        "resumed": resumed}
+    return result
+
+
+def assert_resumed_exactly(whole: str, resumed: str, from_step: int) -> None:
+    """The resumed pair prints the steps from_step..9 with the uninterrupted pair's losses, as printed:
+    exact, the same compiled programs on the same batches (CPU all-reduce is reproducible run to run)."""
+    started = f"Resumed optimization from step {from_step}" if from_step else "yet: starting from scratch"
+    assert started in resumed, resumed[-3000:]
+    losses, whole_losses = dict(STEP_LINE.findall(resumed)), dict(STEP_LINE.findall(whole))
+    assert sorted(int(s) for s in losses) == list(range(from_step, 10))
+    assert losses == {step: whole_losses[step] for step in losses}
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_host_stops_both_at_the_same_step(pairs):
+    run = pairs["term"]
+    out0, out1 = run["outputs"]
+    assert [p.returncode for p in run["procs"]] == [EXIT_STOPPED, EXIT_STOPPED], (run["at"], out0[-3000:], out1[-3000:])
+    assert "Signal 15 received by process 1" in out1
+    stopped_at = int(re.search(r"Resume with --resume-from-step=(\d+)", out0).group(1))
+    assert run["at"] < stopped_at < 10, run["at"]
+    step_dir = pairs["base"] / "base_checkpoints" / "term" / str(stopped_at)
+    # one checkpoint written by both: each process's data position in the stopped step
+    assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(os.listdir(step_dir / "data"))
+    assert str(stopped_at) in run["on_disk"]
+    assert_resumed_exactly(pairs["whole"], run["resumed"], stopped_at)
+
+
+@pytest.mark.slow
+def test_a_killed_host_ends_the_other_fast_with_one_line(pairs):
+    run = pairs["kill"]
+    survivor = run["outputs"][0]
+    assert run["procs"][0].returncode == EXIT_PEER_LOST, (run["at"], survivor[-3000:])
+    assert run["seconds"] < 30
+    assert "Traceback" not in survivor and "stack trace" not in survivor, survivor[-3000:]
+    last = survivor.strip().splitlines()[-1]
+    newest = max((int(name) for name in run["on_disk"] if name.isdigit()), default=None)
+    saved = f"step {newest}" if newest is not None else "none yet"
+    assert re.fullmatch(r"error: process 0 lost process 1 of 2 in step \d+ \(.*\); the newest complete checkpoint: "
+                        rf"{saved}\. Restart every process with --resume-from-step=latest", last), last
+    # what 'latest' takes is that newest complete step: an unfinished save left behind is not a step
+    assert_resumed_exactly(pairs["whole"], run["resumed"], newest or 0)
+
+
+# srun for a test without a cluster: the SLURM step's tasks as processes of this machine, each with the
+# variables srun gives a task (SLURM_PROCID, SLURM_LOCALID); any other command (the evaluations after
+# training) is only logged.
+FAKE_SRUN = """#!/usr/bin/env bash
+while [[ "$1" == --* ]]; do shift; done
+case "$*" in *scripts.train*) ;; *) echo "srun skipped: $*"; exit 0;; esac
+pids=()
+for ((i = 0; i < SLURM_NTASKS; i++)); do SLURM_PROCID=$i SLURM_LOCALID=0 "$@" & pids+=($!); done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit $status
+"""
+
+
+def slurm_job_id_with_a_free_port() -> str:
+    """A job id whose coordinator port (JAX's SLURM detection: 61440 + job id mod 4096) nothing listens on."""
+    while True:
+        job_id = random.randrange(4096)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", 61440 + job_id))
+                return str(job_id)
+            except OSError:
+                continue
+
+
+@pytest.mark.slow
+def test_the_slurm_script_trains_two_tasks(tmp_path, make_base_dir, subprocess_env):
+    """runs/multihost_slurm.sh as sbatch runs it on two nodes of one CPU each, both 127.0.0.1: JAX's own SLURM
+    detection starts jax.distributed from the variables, the script's flags and ours train a few steps."""
+    base_dir = make_base_dir(tmp_path / "base")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    env = subprocess_env(
+        PATH=f"{bin_dir}:{os.environ['PATH']}", JAXCHAT_BASE_DIR=str(base_dir), JAXCHAT_PYTHON=sys.executable,
+        SLURM_SUBMIT_DIR=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        SLURM_JOB_ID=slurm_job_id_with_a_free_port(), SLURM_JOB_NUM_NODES="2", SLURM_GPUS_ON_NODE="1",
+        SLURM_NTASKS="2", SLURM_STEP_NODELIST="127.0.0.1,127.0.0.1", SLURM_STEP_NUM_NODES="2",
+        JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env.pop("JAX_COORDINATOR_ADDRESS", None)
+    flags = ["--depth=2", "--max-seq-len=64", "--device-batch-size=4", "--total-batch-size=512", "--num-iterations=4",
+             "--eval-every=-1", "--core-metric-every=-1", "--sample-every=-1", "--device-type=cpu",
+             "--loader-workers=1", "--model-tag=slurm"]
+    script = os.path.join(env["SLURM_SUBMIT_DIR"], "runs", "multihost_slurm.sh")
+    done = subprocess.run(["bash", script, *flags], env=env, capture_output=True, text=True, timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "2 nodes x 1 GPUs" in out and "| 2 process(es), 2 cpu device(s) in the mesh" in out, out[-3000:]
+    assert [int(step) for step in re.findall(r"^step (\d+)/00004 ", out, re.M)] == [0, 1, 2, 3]
+    data = os.listdir(base_dir / "base_checkpoints" / "slurm" / "4" / "data")
+    assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(data)
+    assert "srun skipped: " in out and "scripts.base_loss" in out  # the evaluations come after training
