@@ -47,7 +47,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jaxchat.checkpoint_meta import CHECKPOINTS_SUBDIR, TRAINING_META_KEYS, TrainingMeta, default_model_tag
-from jaxchat.common import get_base_dir, key_name, print0
+from jaxchat.common import base_dir_hint, get_base_dir, key_name, print0
 from jaxchat.gpt import DEFAULT_RECIPE, GPT, GPTConfig, abstract_model
 from jaxchat.interop import read_nanochat_meta
 from jaxchat.mesh import make_mesh, replicated
@@ -303,7 +303,7 @@ class RunCheckpoints:
             raise ValueError(f"max_to_keep must be at least 1 (or None to keep every step), got {max_to_keep}")
         self.directory = os.path.abspath(directory)
         if read_only and not os.path.isdir(self.directory):
-            raise NoCheckpointError(f"No checkpoints at {self.directory}: train a model first (python -m scripts.train)")
+            raise _no_checkpoints(self.directory)
         # before anything in the directory is removed (Orbax's start-up cleaning below)
         self._lock = None if read_only else _lock_run_directory(self.directory)
         self._damaged: set[int] = set()  # steps restore found unreadable
@@ -603,13 +603,18 @@ class RunCheckpoints:
 
 # ---- loading a model for evaluation and sampling ------------------------------------------------
 
+def _no_checkpoints(directory: str) -> NoCheckpointError:
+    return NoCheckpointError(f"No checkpoints at {directory}{base_dir_hint(directory)}: train a model first "
+                             "(python -m scripts.train)")
+
+
 def find_model_tag(checkpoints_root: str) -> str:
     """The deepest d<N> run under checkpoints_root, else the most recently written one (as nanochat)."""
     if not os.path.isdir(checkpoints_root):
-        raise NoCheckpointError(f"No checkpoints at {checkpoints_root}: train a model first (python -m scripts.train)")
+        raise _no_checkpoints(checkpoints_root)
     tags = [t for t in os.listdir(checkpoints_root) if os.path.isdir(os.path.join(checkpoints_root, t))]
     if not tags:
-        raise NoCheckpointError(f"No checkpoints at {checkpoints_root}: train a model first (python -m scripts.train)")
+        raise _no_checkpoints(checkpoints_root)
     depths = [(int(m.group(1)), t) for t in tags if (m := re.fullmatch(r"d(\d+)", t))]
     if depths:
         return max(depths)[1]

@@ -15,6 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 
 BASE_DIR_ENV = "JAXCHAT_BASE_DIR"
+DEFAULT_BASE_DIR = os.path.join("~", ".cache", "jaxchat")
+# runs/cpu_demo.sh's default (it reads it from here): apart from the default, so that the demo's
+# --overwrite never replaces a GPU run's corpus, tokenizer or model
+DEMO_BASE_DIR = os.path.join("~", ".cache", "jaxchat-cpu-demo")
 
 
 def fail(message: str) -> NoReturn:
@@ -49,9 +53,28 @@ def select_platform(device_type: str) -> None:
 
 def get_base_dir() -> str:
     """Where tokenizer, data, checkpoints and reports live: $JAXCHAT_BASE_DIR or ~/.cache/jaxchat."""
-    base_dir = os.environ.get(BASE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "jaxchat")
+    base_dir = os.environ.get(BASE_DIR_ENV) or os.path.expanduser(DEFAULT_BASE_DIR)
     os.makedirs(base_dir, exist_ok=True)
     return base_dir
+
+
+def base_dir_hint(missing_path: str) -> str:
+    """For an error about a tokenizer, data or checkpoints missing at `missing_path`: if that path is inside
+    the base directory, which base directory was looked in and how to choose another, and which other known
+    base directory (the default, the CPU demo's) holds the same thing. Empty for a path given explicitly
+    outside the base directory (the user chose it; no other place is implied)."""
+    base_dir = os.path.abspath(get_base_dir())
+    relative = os.path.relpath(os.path.abspath(missing_path), base_dir)
+    if relative == os.pardir or relative.startswith(os.pardir + os.sep):
+        return ""
+    source = f"from ${BASE_DIR_ENV}" if os.environ.get(BASE_DIR_ENV) else f"the default; ${BASE_DIR_ENV} sets another"
+    hint = f" (looked in the base directory {base_dir}: {source})"
+    for other in (os.path.abspath(os.path.expanduser(d)) for d in (DEFAULT_BASE_DIR, DEMO_BASE_DIR)):
+        candidate = os.path.join(other, relative)
+        if other != base_dir and os.path.exists(candidate) and not (os.path.isdir(candidate)
+                                                                     and not os.listdir(candidate)):
+            hint += f"; {other} has one: prefix the command with {BASE_DIR_ENV}={other}"
+    return hint
 
 
 def key_name(key) -> str | int:

@@ -9,7 +9,7 @@ import os
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jaxchat.common import get_base_dir
+from jaxchat.common import base_dir_hint, get_base_dir
 
 CORPUS_INFO_FILE = "corpus.json"  # marks a data dir built from local text, so downloads never mix in
 GET_DATA_HINT = "run `python -m jaxchat.dataset -n 8` (FineWeb-Edu) or `python -m jaxchat.dataset --builtin` (offline)"
@@ -46,7 +46,8 @@ def parquet_paths_for_split(split: str, data_dir: str | None = None) -> list[str
     paths = list_parquet_files(data_dir)
     if len(paths) < 2:
         found = "no shards" if not paths else "only one shard (the validation split)"
-        raise FileNotFoundError(f"{found} in {get_data_dir(data_dir)}; need at least 2: {GET_DATA_HINT}")
+        where = get_data_dir(data_dir)
+        raise FileNotFoundError(f"{found} in {where}{base_dir_hint(where)}; need at least 2: {GET_DATA_HINT}")
     return paths[:-1] if split == "train" else paths[-1:]
 
 

@@ -17,7 +17,7 @@ import rustbpe
 import tiktoken
 
 from jaxchat.checkpoint_meta import TOKENIZER_SUBDIR
-from jaxchat.common import get_base_dir
+from jaxchat.common import base_dir_hint, get_base_dir
 
 SPECIAL_TOKENS = [
     "<|bos|>",  # every document starts with it; the only one pretraining uses
@@ -150,8 +150,8 @@ class Tokenizer:
         ranks_path, config_path = os.path.join(tokenizer_dir, RANKS_FILE), os.path.join(tokenizer_dir, CONFIG_FILE)
         for path in (ranks_path, config_path):
             if not os.path.exists(path):
-                raise FileNotFoundError(f"no tokenizer at {tokenizer_dir} ({os.path.basename(path)} is missing); "
-                                        f"train one with `{TRAIN_COMMAND}`")
+                raise FileNotFoundError(f"no tokenizer at {tokenizer_dir} ({os.path.basename(path)} is missing)"
+                                        f"{base_dir_hint(path)}; train one with `{TRAIN_COMMAND}`")
         with open(config_path, encoding="utf-8") as f:
             config = json.load(f)
         ranks = _read_ranks(ranks_path)
@@ -198,5 +198,5 @@ def get_token_bytes(tokenizer_dir: str | None = None) -> np.ndarray:
     """int32 [vocab_size]: raw bytes per token id, 0 for special tokens (for bits per byte)."""
     path = os.path.join(tokenizer_dir or default_tokenizer_dir(), TOKEN_BYTES_FILE)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} is missing; train the tokenizer with `{TRAIN_COMMAND}`")
+        raise FileNotFoundError(f"{path} is missing{base_dir_hint(path)}; train the tokenizer with `{TRAIN_COMMAND}`")
     return np.load(path, allow_pickle=False)

@@ -8,34 +8,40 @@
 #
 # Environment:
 #   JAXCHAT_BASE_DIR     where data, tokenizer, checkpoints and the report go (default: ~/.cache/jaxchat-cpu-demo,
-#                        apart from the GPU runs' ~/.cache/jaxchat)
-#   JAXCHAT_DEMO_SIZE    small (default: d4, 120 steps, under 5 minutes on 2 cores) or tiny (d2, seconds: for CI)
+#                        jaxchat.common.DEMO_BASE_DIR, apart from the other commands' ~/.cache/jaxchat so that the
+#                        demo's --overwrite never replaces a GPU run's data or model). It ends by printing the
+#                        commands that carry on from its model, with JAXCHAT_BASE_DIR set.
+#   JAXCHAT_DEMO_SIZE    small (default: d4, 120 steps, minutes on 2 cores) or tiny (d2, seconds: for CI)
 #   JAXCHAT_DEMO_PYTHON  a Python that already has jaxchat installed: use it instead of making .venv (the tests)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-export JAXCHAT_BASE_DIR="${JAXCHAT_BASE_DIR:-$HOME/.cache/jaxchat-cpu-demo}"
 export JAX_PLATFORMS=cpu  # a CPU demo, even where a GPU build of JAX is installed
 export PYTHONUNBUFFERED=1
-mkdir -p "$JAXCHAT_BASE_DIR"
 
 # -----------------------------------------------------------------------------
 # Python environment
 if [ -n "${JAXCHAT_DEMO_PYTHON:-}" ]; then
     PYTHON="$JAXCHAT_DEMO_PYTHON"
+    ACTIVATE="the Python the demo ran with: $JAXCHAT_DEMO_PYTHON"
 else
     [ -d .venv ] || python3 -m venv .venv
     .venv/bin/python -m pip install --quiet --upgrade pip
     .venv/bin/python -m pip install --quiet -e .
     PYTHON=.venv/bin/python
+    ACTIVATE="the demo's environment: . $PWD/.venv/bin/activate"
 fi
+
+demo_base_dir=$("$PYTHON" -c 'import os; from jaxchat.common import DEMO_BASE_DIR; print(os.path.expanduser(DEMO_BASE_DIR))')
+export JAXCHAT_BASE_DIR="${JAXCHAT_BASE_DIR:-$demo_base_dir}"
+mkdir -p "$JAXCHAT_BASE_DIR"
 
 # -----------------------------------------------------------------------------
 # Sizes. Learning rates: base_train.py multiplies every learning rate by sqrt(total_batch_size / 2^19),
 # which for these tiny batches would shrink them 11-32x; the flags below are nanochat's defaults divided
 # by that factor, so the effective rates are the ones nanochat trains with.
 case "${JAXCHAT_DEMO_SIZE:-small}" in
-    small)  # ~2,400 tok/s on 2 x86 cores: 120 steps of 4,096 tokens in about 3.5 minutes (docs/benchmarks.md)
+    small)  # 120 steps of 4,096 tokens: about 3 minutes of training on 2 x86 cores (docs/benchmarks.md, 2026-12-02)
         VOCAB_SIZE=8192; DEPTH=4; SEQ_LEN=512; DEVICE_BATCH=8; STEPS=120; EVAL_EVERY=30; EVAL_TOKENS=32768
         SAMPLE_TOKENS=48 ;;
     tiny)   # a smoke test of every stage: the model learns a little, nothing more
@@ -76,3 +82,16 @@ echo "jaxchat CPU demo (${JAXCHAT_DEMO_SIZE:-small}): base dir $JAXCHAT_BASE_DIR
 
 # -----------------------------------------------------------------------------
 "$PYTHON" -m jaxchat.report generate
+
+# What a user tries next, each line as it works (tests/test_cpu_demo.py runs the sample and export lines as
+# printed). The other commands' default base directory is ~/.cache/jaxchat, hence the prefix.
+base="JAXCHAT_BASE_DIR=$(printf %q "$JAXCHAT_BASE_DIR")"
+cat <<NEXT
+
+The demo's model, tokenizer, data and report are in $JAXCHAT_BASE_DIR; every other command looks in
+~/.cache/jaxchat unless JAXCHAT_BASE_DIR says otherwise. To carry on from this model, in $ACTIVATE
+$base python -m scripts.sample -p "The module"
+$base python -m scripts.base_loss --device-batch-size=$DEVICE_BATCH --split-tokens=$EVAL_TOKENS
+$base python -m scripts.base_eval --max-per-task=100   # CORE: downloads DCLM's 162 MB eval bundle first
+$base python -m scripts.export --to-nanochat $(printf %q "$JAXCHAT_BASE_DIR/nanochat")   # nanochat's .pt needs PyTorch: pip install -e '.[nanochat]'
+NEXT

@@ -83,3 +83,43 @@ def test_quiet_libraries_leave_one_line_per_error(monkeypatch, capsys):
     assert capsys.readouterr().err == ""
     RaisesWhenCollected(ValueError("something else"))
     assert "ValueError: something else" in capsys.readouterr().err
+
+
+def test_a_missing_tokenizer_data_or_model_names_the_base_dir_and_the_one_that_has_it(tmp_path, monkeypatch):
+    """After the CPU demo (its own base directory), the other commands look in the default one: each error says
+    where it looked, that $JAXCHAT_BASE_DIR chooses, and the prefix that finds the demo's."""
+    from jaxchat.checkpoint import NoCheckpointError, find_model_tag
+    from jaxchat.shards import parquet_paths_for_split
+    from jaxchat.tokenizer import get_token_bytes, get_tokenizer
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("JAXCHAT_BASE_DIR", raising=False)
+    default, demo = tmp_path / ".cache" / "jaxchat", tmp_path / ".cache" / "jaxchat-cpu-demo"
+    looked = f"(looked in the base directory {default}: the default; $JAXCHAT_BASE_DIR sets another)"
+    found = f"; {demo} has one: prefix the command with JAXCHAT_BASE_DIR={demo}"
+    missing = [(FileNotFoundError, get_tokenizer), (FileNotFoundError, get_token_bytes),
+               (FileNotFoundError, lambda: parquet_paths_for_split("train")),
+               (NoCheckpointError, lambda: find_model_tag(str(default / "base_checkpoints")))]
+    for error, call in missing:  # nothing anywhere: where it looked, no other place
+        with pytest.raises(error) as info:
+            call()
+        assert looked in str(info.value) and "has one" not in str(info.value), str(info.value)
+
+    for relative in ("tokenizer/tokenizer.tiktoken", "tokenizer/token_bytes.npy", "base_data/shard_00000.parquet",
+                     "base_checkpoints/d2/40/meta"):
+        (demo / relative).parent.mkdir(parents=True, exist_ok=True)
+        (demo / relative).write_bytes(b"")
+    for error, call in missing:
+        with pytest.raises(error) as info:
+            call()
+        assert looked + found in str(info.value), str(info.value)
+
+    # from a base directory of one's own (the default then has one too), and a path the user gave outside the base directory gets no hint
+    monkeypatch.setenv("JAXCHAT_BASE_DIR", str(tmp_path / "chosen"))
+    (default / "base_checkpoints" / "d4").mkdir(parents=True)
+    with pytest.raises(NoCheckpointError, match=f"from \\$JAXCHAT_BASE_DIR\\); {default} has one: prefix the "):
+        find_model_tag(str(tmp_path / "chosen" / "base_checkpoints"))
+    with pytest.raises(FileNotFoundError) as info:
+        get_tokenizer(str(tmp_path / "mine"))
+    assert str(info.value) == (f"no tokenizer at {tmp_path / 'mine'} (tokenizer.tiktoken is missing); "
+                               "train one with `python -m scripts.tok_train`")

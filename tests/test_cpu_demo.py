@@ -1,11 +1,13 @@
-"""runs/cpu_demo.sh end to end at its tiny size (JAXCHAT_DEMO_SIZE=tiny), in the current Python: every
-stage runs, the report has its curve, and its summary carries the figures the run printed."""
+"""runs/cpu_demo.sh end to end at its tiny size (JAXCHAT_DEMO_SIZE=tiny), in the current Python, in a home
+directory of its own (so its default base directory, as a newcomer's): every stage runs, the report has its
+curve, its summary carries the figures the run printed, and the commands it prints at the end work as printed."""
 
 import csv
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,15 +15,23 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory, subprocess_env):
-    base = tmp_path_factory.mktemp("cpu_demo")
-    env = subprocess_env(JAXCHAT_BASE_DIR=str(base), JAXCHAT_DEMO_SIZE="tiny", JAXCHAT_DEMO_PYTHON=sys.executable)
+def newcomer_env(tmp_path_factory, subprocess_env) -> dict[str, str]:
+    """A fresh home, no JAXCHAT_BASE_DIR, `python` on PATH being this Python (an activated environment)."""
+    env = subprocess_env(HOME=str(tmp_path_factory.mktemp("home")), JAXCHAT_DEMO_SIZE="tiny",
+                         JAXCHAT_DEMO_PYTHON=sys.executable,
+                         PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    env.pop("JAXCHAT_BASE_DIR", None)
     del env["XLA_FLAGS"]  # one CPU device, as a laptop
-    result = subprocess.run(["bash", os.path.join(REPO_ROOT, "runs", "cpu_demo.sh")], env=env, cwd=str(base),
-                            capture_output=True, text=True, timeout=600)
+    return env
+
+
+@pytest.fixture(scope="module")
+def demo(newcomer_env):
+    result = subprocess.run(["bash", os.path.join(REPO_ROOT, "runs", "cpu_demo.sh")], env=newcomer_env,
+                            cwd=newcomer_env["HOME"], capture_output=True, text=True, timeout=600)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
-    return base, out
+    return Path(newcomer_env["HOME"]) / ".cache" / "jaxchat-cpu-demo", out
 
 
 def figure(pattern: str, text: str) -> str:
@@ -84,6 +94,49 @@ def test_report_has_the_curve_and_the_run_figures(demo):
     assert [(int(r["step"]), r["train_loss"]) for r in rows if r["train_loss"]] == printed_losses
     printed_bpbs = [(int(s), x) for s, x in re.findall(r"^Step (\d+) \| Validation bpb: ([\d.]+)$", out, re.M)]
     assert [(int(r["step"]), r["val_bpb"]) for r in rows if r["val_bpb"]] == printed_bpbs
+
+
+def printed_command(out: str, script: str) -> str:
+    """The follow-on command for `script` that the demo printed last, without its trailing comment."""
+    commands = re.findall(rf"^(JAXCHAT_BASE_DIR=\S+ python -m scripts\.{script}\b.*?)(?:   # .*)?$", out, re.M)
+    assert commands, f"the demo printed no scripts.{script} command"
+    return commands[-1]
+
+
+def run_as_printed(command: str, env: dict[str, str]) -> str:
+    result = subprocess.run(["bash", "-c", command], env=env, cwd=env["HOME"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, f"{command}\n{(result.stdout + result.stderr)[-4000:]}"
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_the_next_commands_work_as_printed(demo, newcomer_env):
+    base, out = demo
+    # A newcomer's second command, as the rest of the README writes it (no base directory): one line that
+    # names the base directory looked in and the demo's, with the prefix that fixes it
+    result = subprocess.run([sys.executable, "-m", "scripts.sample", "-p", "The module"], env=newcomer_env,
+                            cwd=newcomer_env["HOME"], capture_output=True, text=True, timeout=300)
+    default_dir = os.path.join(newcomer_env["HOME"], ".cache", "jaxchat")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert f"looked in the base directory {default_dir}: the default; $JAXCHAT_BASE_DIR sets another" in result.stderr
+    assert f"{base} has one: prefix the command with JAXCHAT_BASE_DIR={base}" in result.stderr
+
+    command = printed_command(out, "sample")
+    assert command == f'JAXCHAT_BASE_DIR={base} python -m scripts.sample -p "The module"'
+    sample = run_as_printed(command, newcomer_env)
+    assert re.search(r"^-{80}\nThe module", sample, re.M), sample
+
+
+@pytest.mark.slow
+def test_the_printed_export_writes_nanochats_files(demo, newcomer_env):
+    pytest.importorskip("torch", reason="PyTorch is not installed: --to-nanochat writes nanochat's .pt files with it")
+    base, out = demo
+    command = printed_command(out, "export")
+    assert command == f"JAXCHAT_BASE_DIR={base} python -m scripts.export --to-nanochat {base}/nanochat"
+    run_as_printed(command, newcomer_env)
+    assert sorted(os.listdir(base / "nanochat" / "base_checkpoints" / "d2")) == ["meta_000040.json", "model_000040.pt"]
+    assert sorted(os.listdir(base / "nanochat" / "tokenizer")) == ["token_bytes.pt", "tokenizer.pkl"]
 
 
 def test_readme_starts_with_the_demo():

@@ -3,7 +3,10 @@
 The exported files are read here the way nanochat reads them (checkpoint_manager.py: torch.load,
 json.load, GPTConfig(**model_config); tokenizer.py: pickle.load of the tiktoken Encoding;
 get_token_bytes: torch.load), and run through a PyTorch forward of nanochat's GPT written in this
-file from nanochat/gpt.py, not taken from jaxchat."""
+file from nanochat/gpt.py, not taken from jaxchat. Those tests need PyTorch and skip without it; the rest
+(safetensors, names, the command line's errors) run anywhere."""
+
+from __future__ import annotations  # torch.Tensor in signatures, without PyTorch installed
 
 import dataclasses
 import errno
@@ -22,8 +25,6 @@ import numpy as np
 import pytest
 import safetensors.numpy
 import tiktoken
-import torch
-import torch.nn.functional as F
 from flax import nnx
 
 from jaxchat import checkpoint as ckpt
@@ -32,6 +33,15 @@ from jaxchat.interop import (NANOCHAT_META_KEYS, from_nanochat_state_dict, load_
                              to_nanochat_state_dict)
 from jaxchat.tokenizer import SPECIAL_TOKENS, Tokenizer
 from scripts.export import export_checkpoint, export_to_nanochat, import_weights, main
+
+try:
+    import torch
+    import torch.nn.functional as F
+except ImportError:
+    torch = F = None
+# pytest.importorskip would skip the whole file; this skips only the tests that read or write .pt files
+needs_torch = pytest.mark.skipif(torch is None, reason="PyTorch is not installed: nanochat's .pt files are read "
+                                 "and written with it (pip install -e '.[nanochat]'; .ci/run installs its CPU build)")
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = """The module provides a function to parse the source code of a Python file. Return the same module.
@@ -184,6 +194,7 @@ def exported(tmp_path_factory, tokenizer, config):
     return model, nanochat_dir, written
 
 
+@needs_torch
 def test_export_writes_what_nanochat_load_model_reads(exported, config):
     model, nanochat_dir, written = exported
     checkpoint_dir = nanochat_dir / "base_checkpoints" / TAG
@@ -212,6 +223,7 @@ def test_export_writes_what_nanochat_load_model_reads(exported, config):
             np.testing.assert_array_equal(raw[name].numpy(), value, err_msg=name)
 
 
+@needs_torch
 def test_nanochat_forward_of_the_export_matches_jaxchat(exported, config):
     model, nanochat_dir, _ = exported
     checkpoint_dir = nanochat_dir / "base_checkpoints" / TAG
@@ -227,6 +239,7 @@ def test_nanochat_forward_of_the_export_matches_jaxchat(exported, config):
     np.testing.assert_allclose(theirs, ours, rtol=0, atol=64 * np.finfo(np.float32).eps * np.abs(ours).max())
 
 
+@needs_torch
 def test_exported_tokenizer_is_nanochats_pickle_and_token_bytes(exported, tokenizer):
     _, nanochat_dir, _ = exported
     with open(nanochat_dir / "tokenizer" / "tokenizer.pkl", "rb") as f:
@@ -243,6 +256,7 @@ def test_exported_tokenizer_is_nanochats_pickle_and_token_bytes(exported, tokeni
     assert token_bytes.dtype == torch.int32 and token_bytes.tolist() == expected
 
 
+@needs_torch
 def test_import_of_nanochat_files_round_trips(exported, tmp_path, tokenizer):
     model, nanochat_dir, _ = exported
     model_path = nanochat_dir / "base_checkpoints" / TAG / "model_000012.pt"
@@ -284,6 +298,7 @@ def test_safetensors_export_and_import_are_exact(tmp_path, tokenizer, config):
         np.testing.assert_array_equal(a, b)
 
 
+@needs_torch
 def test_import_of_a_nanochat_gpu_checkpoint(tmp_path, config, capsys):
     """nanochat on GPU keeps wte in bfloat16, saves from a torch.compile'd model (names prefixed
     _orig_mod.), and older models have no window_pattern (nanochat reads that as 'L')."""
@@ -315,6 +330,7 @@ def test_names_follow_the_rule_both_ways(config):
         np.testing.assert_array_equal(a, b)
 
 
+@needs_torch
 def test_bad_input_is_refused_with_what_to_do(tmp_path, config, tokenizer, monkeypatch):
     state_dict = nanochat_reference(GPT(config, rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match="missing \\['lm_head.weight'\\]"):
@@ -381,6 +397,7 @@ def files_under(path) -> dict[str, bytes]:
             for p in glob.glob(os.path.join(path, "**"), recursive=True, include_hidden=True) if os.path.isfile(p)}
 
 
+@needs_torch
 def test_a_failed_export_leaves_the_nanochat_dir_as_it_was(exported, tmp_path, unwritable_dir, monkeypatch):
     _, nanochat_dir, _ = exported
     model_path = nanochat_dir / "base_checkpoints" / TAG / "model_000012.pt"
@@ -411,6 +428,7 @@ def test_a_failed_export_leaves_the_nanochat_dir_as_it_was(exported, tmp_path, u
     assert sorted(os.listdir(target)) == ["base_checkpoints"]  # the directories it made are gone too
 
 
+@needs_torch
 def test_an_import_of_garbage_says_what_it_is(exported, tmp_path):
     _, nanochat_dir, _ = exported
     meta = (nanochat_dir / "base_checkpoints" / TAG / "meta_000012.json").read_text()
@@ -445,6 +463,7 @@ def test_an_import_of_garbage_says_what_it_is(exported, tmp_path):
         import_weights(str(tmp_path / "model_000012.pt"), meta_path=str(tmp_path / "m.json"))
 
 
+@needs_torch
 @pytest.mark.slow
 def test_command_line_prints_its_own_lines_only(exported, tmp_path, capsys, monkeypatch):
     _, nanochat_dir, _ = exported
@@ -474,8 +493,10 @@ def test_command_line_prints_its_own_lines_only(exported, tmp_path, capsys, monk
 
 def test_a_tag_with_no_checkpoint_is_one_error_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("JAXCHAT_BASE_DIR", str(tmp_path))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no other base directory holds a model
     with pytest.raises(SystemExit) as exit_info:
         main(["--model-tag", "none_saved"])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err == (f"error: No checkpoints at {tmp_path / 'base_checkpoints' / 'none_saved'}: "
+    assert capsys.readouterr().err == (f"error: No checkpoints at {tmp_path / 'base_checkpoints' / 'none_saved'} "
+                                       f"(looked in the base directory {tmp_path}: from $JAXCHAT_BASE_DIR): "
                                        "train a model first (python -m scripts.train)\n")
