@@ -43,7 +43,7 @@ def names(params):
 # ---- schedules at their boundaries -----------------------------------------------------------------
 def test_lr_multiplier_boundaries():
     # N = 1000, warmup round(0.05 N) = 50, warmdown round(0.4 N) = 400, final 0.1
-    lrm = lambda step: float(lr_multiplier(step, 1000, 0.05, 0.4, 0.1))
+    lrm = lambda step: float(lr_multiplier(step, 1000, 50, 0.4, 0.1))
     assert lrm(0) == pytest.approx(1 / 50)
     assert lrm(49) == pytest.approx(1.0)  # last warmup step: (49+1)/50
     assert lrm(50) == pytest.approx(1.0)
@@ -52,11 +52,11 @@ def test_lr_multiplier_boundaries():
     assert lrm(999) == pytest.approx(1 / 400 + (399 / 400) * 0.1)  # last step
     assert lrm(1000) == pytest.approx(0.1)
     # no warmup: 1.0 from step 0; round() is Python's (half to even): round(0.025 * 100) = 2
-    assert float(lr_multiplier(0, 100, 0.0, 0.025, 0.0)) == 1.0
-    assert float(lr_multiplier(98, 100, 0.0, 0.025, 0.0)) == 1.0
-    assert float(lr_multiplier(99, 100, 0.0, 0.025, 0.0)) == pytest.approx(0.5)
+    assert float(lr_multiplier(0, 100, 0, 0.025, 0.0)) == 1.0
+    assert float(lr_multiplier(98, 100, 0, 0.025, 0.0)) == 1.0
+    assert float(lr_multiplier(99, 100, 0, 0.025, 0.0)) == pytest.approx(0.5)
     # no warmdown: 1.0 to the end
-    assert float(lr_multiplier(100, 100, 0.0, 0.0, 0.0)) == 1.0
+    assert float(lr_multiplier(100, 100, 0, 0.0, 0.0)) == 1.0
 
 
 def test_muon_momentum_and_weight_decay_boundaries():
@@ -72,8 +72,8 @@ def test_muon_momentum_and_weight_decay_boundaries():
 
 def test_schedules_trace():
     steps = jnp.arange(0, 1001, 37)
-    traced = jax.jit(jax.vmap(lambda s: lr_multiplier(s, 1000, 0.05, 0.4, 0.1)))(steps)
-    eager = [float(lr_multiplier(int(s), 1000, 0.05, 0.4, 0.1)) for s in steps]
+    traced = jax.jit(jax.vmap(lambda s: lr_multiplier(s, 1000, 50, 0.4, 0.1)))(steps)
+    eager = [float(lr_multiplier(int(s), 1000, 50, 0.4, 0.1)) for s in steps]
     np.testing.assert_allclose(np.asarray(traced), eager, rtol=1e-6)
 
 
@@ -117,8 +117,12 @@ def test_every_parameter_of_the_gpt_gets_its_group():
 
 
 def test_unlabelled_parameter_is_an_error_that_names_it():
-    params = {"wte": {"embedding": jnp.zeros((8, 4))}, "router": {"0": jnp.zeros((8, 4))}}
-    with pytest.raises(ValueError, match="router/0"):
+    params = {"wte": {"embedding": jnp.zeros((8, 4))}, "extra_embeds": {"0": jnp.zeros((8, 4))}}
+    with pytest.raises(ValueError, match="extra_embeds/0"):
+        setup_optimizer(params, model_dim=4, depth=1, num_iterations=10, total_batch_size=2**19)
+    # a group of the other recipe's model: bdcc030 has no value embeddings
+    params = {"wte": {"embedding": jnp.zeros((8, 4))}, "value_embeds": {"0": jnp.zeros((8, 4))}}
+    with pytest.raises(ValueError, match="recipe bdcc030 has no AdamW group 'value_embeds'"):
         setup_optimizer(params, model_dim=4, depth=1, num_iterations=10, total_batch_size=2**19)
     # a vector inside the blocks is not a matrix for Muon either
     with pytest.raises(ValueError, match="blocks/0/norm/scale"):
