@@ -349,10 +349,13 @@ def finish(s: Session) -> None:
                 Label.PARAMETERS: run.num_params,
                 "Number of FLOPs per token": f"{run.flops_per_token:e}",
                 "Calculated number of iterations": run.num_iterations,
-                Label.TRAINING_TOKENS: settings.total_batch_size * run.num_iterations,
-                Label.TOKENS_PER_PARAM: settings.total_batch_size * run.num_iterations / run.num_params,
+                Label.TRAINING_TOKENS: run.total_batch_size * run.num_iterations,
+                Label.TOKENS_PER_PARAM: run.total_batch_size * run.num_iterations / run.num_params,
                 Label.DEVICES: f"{run.mesh.devices.size} x {run.mesh.devices.flat[0].device_kind}",
-                "warmup_ratio": settings.warmup_ratio,
+                "Recipe": f"{settings.recipe} (nanochat {settings.recipe_spec.nanochat_commit})",
+                "Total batch size": run.total_batch_size,
+                **{name: getattr(settings, name) for name in ("warmup_ratio", "warmup_steps")
+                   if settings.recipe_has(name)},
                 "warmdown_ratio": settings.warmdown_ratio,
                 "final_lr_frac": settings.final_lr_frac,
             },
@@ -363,7 +366,7 @@ def finish(s: Session) -> None:
                 Label.MFU: f"{mfu:.2f}%" if mfu is not None else "n/a",
                 "Total training flops": f"{run.training_flops(loop.step):e}",
                 Label.TRAINING_TIME: f"{loop.total_training_time / 60:.2f}m",
-                Label.TOK_PER_SEC: round(settings.total_batch_size * timed / loop.total_training_time)
+                Label.TOK_PER_SEC: round(run.total_batch_size * timed / loop.total_training_time)
                 if timed > 0 and loop.total_training_time > 0 else "n/a",
                 Label.PEAK_MEMORY: f"{peak_memory / 1024 / 1024:.2f}MiB" if peak_memory else "n/a",
             },
