@@ -22,7 +22,7 @@ from jaxchat.optim import (
     setup_optimizer,
     weight_decay_at,
 )
-from nanochat_numpy import BF16_MIN_COSINE, BF16_REL_TOL, cosine, ref_muon_step, ref_second_moment, rel_err, torch_matrices
+from nanochat_numpy import BF16_MIN_COSINE, BF16_REL_TOL, cosine, ref_lr_multiplier, ref_muon_step, ref_second_moment, rel_err, torch_matrices
 
 TINY = GPTConfig(sequence_len=32, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
 
@@ -136,18 +136,6 @@ def test_negative_learning_rates_are_refused():
 
 
 # ---- AdamW and Muon groups against float64 references ----------------------------------------------
-def ref_lr_multiplier(it, num_iterations, warmup_ratio, warmdown_ratio, final_lr_frac):
-    """base_train.py's get_lr_multiplier."""
-    warmup_iters = round(warmup_ratio * num_iterations)
-    warmdown_iters = round(warmdown_ratio * num_iterations)
-    if it < warmup_iters:
-        return (it + 1) / warmup_iters
-    if it <= num_iterations - warmdown_iters:
-        return 1.0
-    progress = (num_iterations - it) / warmdown_iters
-    return progress * 1.0 + (1 - progress) * final_lr_frac
-
-
 def ref_adamw_step(p, g, m, v, t, lr, b1, b2, eps=1e-10):
     """torch.optim.AdamW with weight_decay 0; t counts from 1."""
     m = b1 * m + (1 - b1) * g
@@ -183,7 +171,7 @@ def test_groups_match_references_with_their_own_learning_rates():
         grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32), params)
         updates, state = update(grads, state, params)
         params = optax.apply_updates(params, updates)
-        lrm = ref_lr_multiplier(t, N, warmup, warmdown, final)
+        lrm = ref_lr_multiplier(t, N, round(warmup * N), warmdown, final)
         beta = (1 - min(t / 300, 1)) * 0.85 + min(t / 300, 1) * 0.95
         for name, g in zip(leaf_names, jax.tree.leaves(grads)):
             g = np.asarray(g, np.float64)

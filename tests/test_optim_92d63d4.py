@@ -17,7 +17,7 @@ import numpy as np
 import optax
 import pytest
 
-from nanochat_numpy import POLAR_EXPRESS_COEFFS, bf16_round, exact, rel_err, torch_matrices
+from nanochat_numpy import POLAR_EXPRESS_COEFFS, bf16_round, exact, ref_lr_multiplier, rel_err, torch_matrices
 from jaxchat.muon import muon
 from jaxchat.optim import (
     Horizon,
@@ -79,16 +79,6 @@ def ref_adamw_step_92d63d4(p, g, m, v, t, lr, b1, b2, wd, eps=1e-10):
     v = v + (1 - b2) * (g * g - v)
     denom = np.sqrt(v / (1 - b2**t)) + eps
     return p - lr / (1 - b1**t) * m / denom, m, v
-
-
-def ref_lrm(it, n, warmup, warmdown_ratio, final):
-    warmdown = round(warmdown_ratio * n)
-    if it < warmup:
-        return (it + 1) / warmup
-    if it <= n - warmdown:
-        return 1.0
-    progress = (n - it) / warmdown
-    return progress * 1.0 + (1 - progress) * final
 
 
 def ref_momentum(it, n, warmdown_ratio):
@@ -227,7 +217,7 @@ def test_every_group_matches_the_float64_maths_over_five_steps():
         grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32), params)
         updates, state = update(grads, state, new)
         new = optax.apply_updates(new, updates)
-        lrm = ref_lrm(t, N, warmup, warmdown, final)
+        lrm = ref_lr_multiplier(t, N, warmup, warmdown, final)
         for name, g in zip(names, jax.tree.leaves(grads)):
             if name in ADAMW:
                 peak, (b1, b2), decay = ADAMW[name]
@@ -273,7 +263,7 @@ def test_schedules_equal_the_formulas_at_every_step_of_a_d20_horizon():
     decay = np.asarray(jax.jit(lambda s: weight_decay_cosine(s, wd, n))(steps), np.float64)
     # each is a few float32 operations on values <= 1 (times wd): a float32 ulp of 1 each, 8 in all
     atol = 8 * F32_EPS
-    np.testing.assert_allclose(lrm, [ref_lrm(i, n, 40, 0.65, 0.05) for i in steps], rtol=0, atol=atol)
+    np.testing.assert_allclose(lrm, [ref_lr_multiplier(i, n, 40, 0.65, 0.05) for i in steps], rtol=0, atol=atol)
     np.testing.assert_allclose(momentum, [ref_momentum(i, n, 0.65) for i in steps], rtol=0, atol=atol)
     np.testing.assert_allclose(decay, [ref_weight_decay(i, wd, n) for i in steps], rtol=0, atol=atol * wd)
     assert n - round(0.65 * n) > 400  # the horizon holds every phase: momentum warmup, plateau, warmdown
