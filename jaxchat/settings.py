@@ -18,6 +18,7 @@ from typing import Any
 from jaxchat.checkpoint import parse_resume_step
 from jaxchat.fp8 import RECIPES as FP8_RECIPES
 from jaxchat.gpt import DEFAULT_RECIPE, REMAT_POLICIES, check_window_pattern, width_and_heads
+from jaxchat.shards import DEFAULT_CORPUS, get_data_dir
 
 
 class SettingsError(ValueError):
@@ -35,6 +36,7 @@ class Recipe:
     The model of the recipe is the GPT of the same name (jaxchat.gpt.RECIPES: value embeddings, smear, ...),
     which GPTConfig.recipe selects.
     auto_batch: --total-batch-size -1 picks the batch size by the recipe's rule (jaxchat.optim).
+    corpus: the downloaded corpus the recipe trains on (FineWeb-Edu at bdcc030, ClimbMix at 92d63d4).
     A setting that only some recipes have says so in its field's `recipes` metadata."""
 
     name: str
@@ -42,6 +44,7 @@ class Recipe:
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
     replaced: Mapping[str, str] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
     auto_batch: bool = False
+    corpus: str = DEFAULT_CORPUS  # a key of jaxchat.shards.CORPORA: where --data-dir defaults to
 
 
 RECIPES: Mapping[str, Recipe] = types.MappingProxyType({
@@ -50,7 +53,7 @@ RECIPES: Mapping[str, Recipe] = types.MappingProxyType({
         Recipe(name="bdcc030", nanochat_commit="bdcc030"),
         # nanochat in April 2026 (scripts/base_train.py and nanochat/optim.py at 92d63d4); its optimizer is
         # jaxchat.optim.OPTIMIZER_RECIPES["92d63d4"]
-        Recipe(name="92d63d4", nanochat_commit="92d63d4", auto_batch=True, defaults=types.MappingProxyType({
+        Recipe(name="92d63d4", nanochat_commit="92d63d4", auto_batch=True, corpus="climbmix", defaults=types.MappingProxyType({
             "target_param_data_ratio": 12.0, "total_batch_size": -1, "unembedding_lr": 0.008, "weight_decay": 0.28,
             "warmup_steps": 40, "warmdown_ratio": 0.65, "final_lr_frac": 0.05, "eval_tokens": 80 * 524288}),
             replaced=types.MappingProxyType({
@@ -147,7 +150,8 @@ class RunSettings:
     num_devices: int = setting(-1, "devices in the mesh, over all processes (-1 = all)", "JAX", nanochat=False, off="all")
     fsdp: bool = setting(False, "shard parameters over the data axis too (ZeRO-3), for depths whose state does "
                          "not fit", "JAX", nanochat=False)
-    data_dir: str | None = setting(None, "parquet shards (default: <base_dir>/base_data)", "JAX", nanochat=False)
+    data_dir: str | None = setting(None, "parquet shards (default: the recipe corpus's, <base_dir>/base_data or "
+                                   "<base_dir>/base_data_climbmix)", "JAX", nanochat=False)
     seed: int = setting(42, "seed of the model initialisation", "JAX", nanochat=False)
     keep_checkpoints: int = setting(-1, "keep only the newest N checkpoints (-1 = all)", "JAX", nanochat=False, off="all")
     attention: str = setting("auto", "attention kernel (auto: cudnn on NVIDIA GPUs, xla elsewhere)", "JAX",
@@ -209,6 +213,11 @@ class RunSettings:
     @property
     def recipe_spec(self) -> Recipe:
         return RECIPES[self.recipe]
+
+    @property
+    def corpus_dir(self) -> str:
+        """--data-dir, else the recipe's corpus's directory (<base_dir>/base_data, .../base_data_climbmix)."""
+        return get_data_dir(self.data_dir, self.recipe_spec.corpus)
 
     def recipe_has(self, name: str) -> bool:
         """Whether this run's recipe has the setting `name` (e.g. for the report: warmup_ratio or warmup_steps)."""

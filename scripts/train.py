@@ -165,7 +165,7 @@ def make_loaders(settings: RunSettings, run: Run, tokenizer: Tokenizer) -> tuple
     local_rows = settings.device_batch_size * sum(d.process_index == where[0] for d in run.mesh.devices.flat)
     try:
         train_loader = make_train_loader(tokenizer, local_rows, settings.max_seq_len, run.grad_accum_steps, *where,
-                                         data_dir=settings.data_dir, workers=settings.loader_workers)
+                                         data_dir=settings.corpus_dir, workers=settings.loader_workers)
     except (FileNotFoundError, ValueError) as e:
         fail(str(e))
     eval_steps = settings.eval_tokens // run.tokens_per_micro_batch
@@ -175,7 +175,7 @@ def make_loaders(settings: RunSettings, run: Run, tokenizer: Tokenizer) -> tuple
 
     def val_loader():
         return make_val_loader(tokenizer, local_rows, settings.max_seq_len, *where, steps=eval_steps,
-                               data_dir=settings.data_dir, workers=settings.loader_workers)
+                               data_dir=settings.corpus_dir, workers=settings.loader_workers)
 
     return train_loader, val_loader, eval_steps
 
