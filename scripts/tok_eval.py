@@ -68,15 +68,6 @@ def split_sample(split: str, min_chars: int = 1_000_000) -> str:
     return "\n".join(docs)
 
 
-texts = {
-    "train": split_sample("train"),
-    "val": split_sample("val"),
-    "prose": PROSE,
-    "code": CODE,
-    "numbers": NUMBERS,
-    "non-English": NON_ENGLISH,
-}
-
 parser = argparse.ArgumentParser(description="Compression of the trained tokenizer, in bytes per token")
 parser.add_argument("--no-compare", action="store_true",
                     help="leave out GPT-2's and GPT-4's tokenizers (tiktoken downloads them on first use)")
@@ -85,6 +76,15 @@ parser.add_argument("--download-timeout", type=float, default=10.0,
 parser.add_argument("--data-dir", default=None, help="parquet shards (default: <base_dir>/base_data; recipe "
                     "92d63d4's ClimbMix: <base_dir>/base_data_climbmix)")
 args = parser.parse_args()
+
+texts = {
+    "train": split_sample("train"),
+    "val": split_sample("val"),
+    "prose": PROSE,
+    "code": CODE,
+    "numbers": NUMBERS,
+    "non-English": NON_ENGLISH,
+}
 
 ours = get_tokenizer()
 encoders = {"ours": ours.encode}
