@@ -16,7 +16,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from jaxchat.common import Progress, eta_text
-from jaxchat.shards import CORPUS_INFO_FILE, DEFAULT_CORPUS, CorruptShardError, get_corpus, get_data_dir, open_shard, shard_filename
+from jaxchat.shards import (CORPUS_INFO_FILE, DEFAULT_CORPUS, CorruptShardError, get_corpus, get_data_dir, open_shard,
+                            shard_filename)
 
 BASE_URL_ENV = "JAXCHAT_DATA_URL"  # a mirror, or a local server in the tests
 

@@ -1,5 +1,6 @@
 """The optimizer of base training: Muon for the block matrices, AdamW for everything else, as one
-optax.partition, with the scaling rules and schedules of nanochat's scripts/base_train.py (the commit in the README).
+optax.partition, with the scaling rules and schedules of nanochat's scripts/base_train.py, per recipe
+(OPTIMIZER_RECIPES): bdcc030's (nanochat/adamw.py, nanochat/muon.py) or 92d63d4's (nanochat/optim.py).
 
 The schedules are pure functions of the step, written with jnp so they work on traced steps inside
 the optimizer and on Python ints for printing. Each transform counts its own updates from 0, so the
@@ -79,7 +80,8 @@ class OptimizerRecipe:
 OPTIMIZER_RECIPES: Mapping[str, OptimizerRecipe] = types.MappingProxyType({
     # nanochat/adamw.py + nanochat/muon.py at bdcc030: every AdamW group with the flags' betas, no decay
     "bdcc030": OptimizerRecipe(
-        adamw=types.MappingProxyType({name: AdamWGroup() for name in ("wte", "lm_head", "resid_lambdas", "x0_lambdas")}),
+        adamw=types.MappingProxyType({name: AdamWGroup()
+                                      for name in ("wte", "lm_head", "resid_lambdas", "x0_lambdas")}),
         muon=types.MappingProxyType({"beta2": 0.95}), warmup="ratio", momentum="bdcc030", weight_decay="linear",
         weight_decay_rule="depth", fp32_adamw=False),
     # nanochat/optim.py and GPT.setup_optimizer at 92d63d4

@@ -51,11 +51,13 @@ RECIPES: Mapping[str, Recipe] = types.MappingProxyType({
     recipe.name: recipe for recipe in (
         # nanochat in January 2026 (scripts/base_train.py at bdcc030): the field defaults below
         Recipe(name="bdcc030", nanochat_commit="bdcc030"),
-        # nanochat in April 2026 (scripts/base_train.py and nanochat/optim.py at 92d63d4); its optimizer is
+        # nanochat in July 2026 (scripts/base_train.py and nanochat/optim.py at 92d63d4); its optimizer is
         # jaxchat.optim.OPTIMIZER_RECIPES["92d63d4"]
-        Recipe(name="92d63d4", nanochat_commit="92d63d4", auto_batch=True, corpus="climbmix", defaults=types.MappingProxyType({
-            "target_param_data_ratio": 12.0, "total_batch_size": -1, "unembedding_lr": 0.008, "weight_decay": 0.28,
-            "warmup_steps": 40, "warmdown_ratio": 0.65, "final_lr_frac": 0.05, "eval_tokens": 80 * 524288}),
+        Recipe(
+            name="92d63d4", nanochat_commit="92d63d4", auto_batch=True, corpus="climbmix",
+            defaults=types.MappingProxyType({
+                "target_param_data_ratio": 12.0, "total_batch_size": -1, "unembedding_lr": 0.008, "weight_decay": 0.28,
+                "warmup_steps": 40, "warmdown_ratio": 0.65, "final_lr_frac": 0.05, "eval_tokens": 80 * 524288}),
             replaced=types.MappingProxyType({
                 "adam_beta1": "each AdamW group has its own betas there (jaxchat.optim.OPTIMIZER_RECIPES)",
                 "adam_beta2": "each AdamW group has its own betas there (jaxchat.optim.OPTIMIZER_RECIPES)",

@@ -36,7 +36,8 @@ F32_EPS = 2.0**-23
 
 # ---- nanochat 92d63d4's maths, float64 -----------------------------------------------------------
 def ref_polar_express_92d63d4(u: np.ndarray, rnd=exact) -> np.ndarray:
-    """X = u.bfloat16(); MuonEq: rows rescaled to ‖X‖_F/√rows; X/(1.01‖X‖_F + 1e-6); five Polar Express steps."""
+    """X = u.bfloat16(); MuonEq: rows rescaled to ‖X‖_F/√rows; X/(1.01‖X‖_F + 1e-6); five Polar Express
+    steps."""
     rows = u.shape[0]
     x = rnd(u)
     target = np.linalg.norm(x) / math.sqrt(rows)
