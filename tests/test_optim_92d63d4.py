@@ -270,6 +270,15 @@ def test_schedules_equal_the_formulas_at_every_step_of_a_d20_horizon():
     assert n - round(0.65 * n) > 400  # the horizon holds every phase: momentum warmup, plateau, warmdown
 
 
+@pytest.mark.parametrize("depth", [4, 12, 20, 26])
+def test_the_scaling_count_written_here_is_jaxchats_92d63d4_gpts(depth):
+    """ref_scaling_params (used by the rules below) against the count of the GPT jaxchat builds."""
+    from jaxchat.gpt import GPTConfig, abstract_model
+
+    config = GPTConfig.from_depth(depth, 32768, recipe="92d63d4")
+    assert abstract_model(config).num_scaling_params() == ref_scaling_params(depth)
+
+
 @pytest.mark.parametrize("depth", range(4, 27))
 def test_batch_size_and_weight_decay_rules_over_depths(depth):
     target, d_ref = int(12 * ref_scaling_params(depth)), 12 * ref_scaling_params(12)
