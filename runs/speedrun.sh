@@ -10,7 +10,7 @@
 #
 # RECIPE picks which speedrun: bdcc030 (the seed's: FineWeb-Edu, 65,536-token tokenizer, d20 at ratio 8)
 # or 92d63d4 (nanochat's runs/speedrun.sh at that commit: ClimbMix, 32,768-token tokenizer, d24 at ratio 8,
-# device batch 16, the batch size by its rule; nanochat adds --fp8, which jaxchat does not have yet).
+# device batch 16, fp8, the batch size by its rule).
 #
 # Everything goes to $JAXCHAT_BASE_DIR (default ~/.cache/jaxchat): about 16 GB of shards, the tokenizer,
 # checkpoints (5.2 GB each: float32 parameters and optimizer state), the report. Several hosts: runs/multihost_slurm.sh.
@@ -25,7 +25,7 @@ case "$RECIPE" in
   bdcc030) CORPUS=fineweb-edu; DATA_DIR="$JAXCHAT_BASE_DIR/base_data"; VOCAB_SIZE=65536
            TRAIN_FLAGS=(--depth=20) ;;
   92d63d4) CORPUS=climbmix; DATA_DIR="$JAXCHAT_BASE_DIR/base_data_climbmix"; VOCAB_SIZE=32768
-           TRAIN_FLAGS=(--recipe=92d63d4 --depth=24 --target-param-data-ratio=8 --device-batch-size=16) ;;
+           TRAIN_FLAGS=(--recipe=92d63d4 --depth=24 --target-param-data-ratio=8 --device-batch-size=16 --fp8) ;;
   *) echo "RECIPE=$RECIPE: use bdcc030 or 92d63d4" >&2; exit 2 ;;
 esac
 mkdir -p "$JAXCHAT_BASE_DIR"
