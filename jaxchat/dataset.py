@@ -1,12 +1,13 @@
-"""Get the pretraining corpus: the command line over jaxchat/download.py (FineWeb-Edu) and
+"""Get the pretraining corpus: the command line over jaxchat/download.py (FineWeb-Edu, ClimbMix) and
 jaxchat/local_corpus.py (your own text, or Python's documentation); shards are read by jaxchat/shards.py.
 
   python -m jaxchat.dataset -n 8                 download the first 8 FineWeb-Edu shards (~100 MB each)
+  python -m jaxchat.dataset -n 8 --corpus climbmix   8 ClimbMix training shards + its validation shard
   python -m jaxchat.dataset --from-text PATH...  shards from your own .txt / .md / .jsonl files or folders
   python -m jaxchat.dataset --builtin            shards from prose that ships with Python (no download)
 
-Shards go to <base_dir>/base_data (or --data-dir). Nothing in jaxchat imports this module: it is the
-command's (so that download and local_corpus, which build on jaxchat.shards, import no circle).
+Shards go to <base_dir>/base_data (ClimbMix: <base_dir>/base_data_climbmix) or --data-dir. Nothing in
+jaxchat imports this module: it is the command's (so that download and local_corpus, which build on jaxchat.shards, import no circle).
 """
 
 import argparse
@@ -15,7 +16,7 @@ import os
 import sys
 
 from jaxchat import download, local_corpus
-from jaxchat.shards import CORPUS_INFO_FILE, open_shard
+from jaxchat.shards import CORPORA, CORPUS_INFO_FILE, DEFAULT_CORPUS, open_shard
 # scripts.bench reads shards through this module's names; it may import them from jaxchat.shards instead
 from jaxchat.shards import list_row_groups, read_row_group  # noqa: F401
 
@@ -23,16 +24,20 @@ from jaxchat.shards import list_row_groups, read_row_group  # noqa: F401
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("-n", "--num-files", type=int, help=f"download shards 0..N-1 of FineWeb-Edu "
-                        f"(-1: all {download.MAX_SHARD + 1}); the last one downloaded is the validation split")
+    source.add_argument("-n", "--num-files", type=int, help="download N shards of --corpus (-1: all): FineWeb-Edu's "
+                        "0..N-1, the last one downloaded the validation split; ClimbMix's 0..N-1 and its validation "
+                        "shard, always")
     source.add_argument("--from-text", nargs="+", metavar="PATH", help="build shards from .txt/.md/.jsonl "
                         "files or folders (a .jsonl line is {\"text\": ...}; the last shard is validation)")
     source.add_argument("--builtin", action="store_true", help="build shards from the Python standard "
                         "library's documentation (~2 MB of English prose, no download)")
     parser.add_argument("-w", "--num-workers", type=int, default=4, help="parallel downloads (default 4)")
+    parser.add_argument("--corpus", default=DEFAULT_CORPUS, choices=tuple(CORPORA), help="the corpus -n downloads: "
+                        "fineweb-edu (recipe bdcc030's) or climbmix (recipe 92d63d4's) (default: %(default)s)")
     parser.add_argument("--base-url", default=None, help=f"download from here (default: ${download.BASE_URL_ENV} or "
-                        f"{download.BASE_URL})")
-    parser.add_argument("--data-dir", default=None, help="where shards go (default: <base_dir>/base_data)")
+                        "the corpus's Hugging Face URL)")
+    parser.add_argument("--data-dir", default=None, help="where shards go (default: <base_dir>/base_data, "
+                        "<base_dir>/base_data_climbmix for ClimbMix)")
     parser.add_argument("--chars-per-shard", type=int, default=None,
                         help="local corpora: characters per shard (default: 250k builtin, 50M from text)")
     parser.add_argument("--docs-per-row-group", type=int, default=None,
@@ -48,7 +53,8 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         if args.num_files is not None:
-            failed = download.download_shards(args.num_files, args.data_dir, args.base_url, args.num_workers)
+            failed = download.download_shards(args.num_files, args.data_dir, args.base_url, args.num_workers,
+                                              corpus=args.corpus)
             if failed:
                 sys.exit(f"error: {len(failed)} shard(s) failed: {', '.join(failed)}. Run the same command "
                          f"again: complete shards are skipped.")

@@ -1,7 +1,8 @@
 """HTTP downloads: one fetcher (retries with back-off, a temporary file renamed only once complete, a
-progress line), and the FineWeb-Edu shards fetched with it.
+progress line), and a corpus's shards (jaxchat.shards.CORPORA: FineWeb-Edu, ClimbMix) fetched with it.
 
-  python -m jaxchat.dataset -n 8      the first 8 shards (~100 MB each), 4 at a time
+  python -m jaxchat.dataset -n 8                     the first 8 FineWeb-Edu shards (~100 MB each), 4 at a time
+  python -m jaxchat.dataset -n 8 --corpus climbmix   8 ClimbMix training shards and its validation shard
 """
 
 import http.client
@@ -15,12 +16,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from jaxchat.common import Progress, eta_text
-from jaxchat.shards import CORPUS_INFO_FILE, CorruptShardError, get_data_dir, open_shard, shard_filename
+from jaxchat.shards import (CORPUS_INFO_FILE, DEFAULT_CORPUS, CorruptShardError, get_corpus, get_data_dir, open_shard,
+                            shard_filename)
 
-# FineWeb-Edu, re-shuffled by Karpathy into 1,823 shards of ~250M characters each.
-BASE_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
 BASE_URL_ENV = "JAXCHAT_DATA_URL"  # a mirror, or a local server in the tests
-MAX_SHARD = 1822
 
 
 class DownloadError(RuntimeError):
@@ -104,7 +103,7 @@ def fetch(url: str, path: str, *, check: Callable[[str], object] = lambda path: 
 
 
 # -----------------------------------------------------------------------------------------------
-# FineWeb-Edu shards
+# A corpus's shards
 
 
 def download_shard(index: int, data_dir: str, base_url: str, log: Callable[[str], None] = print,
@@ -124,16 +123,28 @@ def download_shard(index: int, data_dir: str, base_url: str, log: Callable[[str]
     return True
 
 
+def shards_to_fetch(num_files: int, corpus: str = DEFAULT_CORPUS) -> list[int]:
+    """The shard indices of `-n num_files` (-1: all): shards 0..N-1, and for a corpus whose validation shard
+    is always fetched (ClimbMix), N training shards and the last shard."""
+    spec = get_corpus(corpus)
+    if spec.val_always:
+        train = spec.max_shard if num_files == -1 else min(num_files, spec.max_shard)
+        return [*range(train), spec.max_shard]
+    return list(range(spec.max_shard + 1 if num_files == -1 else min(num_files, spec.max_shard + 1)))
+
+
 def download_shards(num_files: int, data_dir: str | None = None, base_url: str | None = None,
-                    num_workers: int = 4, **fetch_kwargs) -> list[str]:
-    """Download shards 0..num_files-1 (-1: all) on num_workers threads. Returns the names that failed."""
-    data_dir = get_data_dir(data_dir)
-    base_url = base_url or os.environ.get(BASE_URL_ENV) or BASE_URL
+                    num_workers: int = 4, corpus: str = DEFAULT_CORPUS, **fetch_kwargs) -> list[str]:
+    """Download the shards of `-n num_files` (shards_to_fetch) of a corpus on num_workers threads, into
+    data_dir (default: the corpus's own). Returns the names that failed."""
+    data_dir = get_data_dir(data_dir, corpus)
+    base_url = base_url or os.environ.get(BASE_URL_ENV) or get_corpus(corpus).base_url
     os.makedirs(data_dir, exist_ok=True)
     if os.path.exists(os.path.join(data_dir, CORPUS_INFO_FILE)):
         raise ValueError(f"{data_dir} holds a corpus built from local text ({CORPUS_INFO_FILE}); downloading "
-                         f"FineWeb-Edu into it would mix the two. Use another --data-dir or JAXCHAT_BASE_DIR.")
-    count = MAX_SHARD + 1 if num_files == -1 else min(num_files, MAX_SHARD + 1)
+                         f"{corpus} into it would mix the two. Use another --data-dir or JAXCHAT_BASE_DIR.")
+    indices = shards_to_fetch(num_files, corpus)
+    count = len(indices)
     progress = Progress()
     progress.line(f"{count} shards from {base_url} into {data_dir} with {num_workers} workers")
     lock = threading.Lock()
@@ -169,7 +180,7 @@ def download_shards(num_files: int, data_dir: str | None = None, base_url: str |
         show_status(force=True)
 
     with ThreadPoolExecutor(max_workers=num_workers) as pool:
-        list(pool.map(fetch_one, range(count)))
+        list(pool.map(fetch_one, indices))
     failed = sorted(tally["failed"])
     progress.close(f"done: {count - len(failed)}/{count} shards in {data_dir}, {tally['bytes'] / 1e6:,.1f} MB "
                    f"downloaded in {time.monotonic() - start:.1f}s")

@@ -3,6 +3,8 @@
 nanochat's Muon (nanochat/muon.py), for every matrix of a pytree:
 1. Nesterov momentum: m = β·m + (1−β)·g; u = (1−β)·g + β·m
 2. Polar Express: u is replaced by (roughly) its orthogonal polar factor U·Vᵀ, with bfloat16 matmuls
+   (options of nanochat/optim.py at 92d63d4: MuonEq row equilibration before it, normalisation 1.01
+   instead of 1.02, and Muon+ after it: the Frobenius norm rescaled to √min(m, n))
 3. NorMuon variance reduction: a factored second moment of the orthogonalised update rescales
    each output neuron (or each input, for matrices with more inputs than outputs)
 4. cautious weight decay: p −= lr_eff·X + lr_eff·wd·p·[X·p ≥ 0], lr_eff = lr·max(1, out/in)^0.5
@@ -34,14 +36,17 @@ POLAR_EXPRESS_COEFFS = (
     (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
-# Normalising by 1.02·‖X‖_F keeps the largest singular value safely below 1 despite bf16 rounding.
+# Normalising by 1.02·‖X‖_F keeps the largest singular value safely below 1 despite bf16 rounding
+# (nanochat/muon.py at bdcc030; nanochat/optim.py at 92d63d4 uses 1.01).
 NORM_SAFETY = 1.02
 SECOND_MOMENT_FLOOR = 1e-10
+NORM_FLOOR = 1e-6  # MuonEq's row norms and Muon+'s Frobenius norm are clamped here (nanochat/optim.py, 92d63d4)
 
 Hyperparameter = float | Callable[[jax.Array], jax.Array]
 
 
-def polar_express(x: jax.Array, ns_steps: int = 5, dtype=jnp.bfloat16) -> jax.Array:
+def polar_express(x: jax.Array, ns_steps: int = 5, dtype=jnp.bfloat16, *, norm_safety: float = NORM_SAFETY,
+                  row_equilibration: bool = False) -> jax.Array:
     """Approximate orthogonal polar factor of each matrix of x (..., r, c), returned in float32.
 
     dtype is that of the matmul operands: bfloat16 as nanochat, or float32 for the exact polynomial
@@ -55,6 +60,9 @@ def polar_express(x: jax.Array, ns_steps: int = 5, dtype=jnp.bfloat16) -> jax.Ar
     The iteration X <- a·X + (b·A + c·A²)·X with A = X·Xᵀ is an odd polynomial in X, so it commutes
     with transposition: for tall matrices we form the small Gram Xᵀ·X and multiply from the right,
     which is nanochat's "work on the transpose" without materialising one.
+
+    norm_safety: X is first divided by norm_safety·‖X‖_F. row_equilibration: MuonEq (row_equilibrate) on
+    the rounded input before that, as nanochat/optim.py at 92d63d4.
     """
     if not 1 <= ns_steps <= len(POLAR_EXPRESS_COEFFS):
         raise ValueError(f"ns_steps must be in 1..{len(POLAR_EXPRESS_COEFFS)}, got {ns_steps}")
@@ -73,8 +81,10 @@ def polar_express(x: jax.Array, ns_steps: int = 5, dtype=jnp.bfloat16) -> jax.Ar
     # momentum fused differently by another program, e.g. the sharded one) then almost never reaches
     # the result, where it could otherwise flip a rounding and cascade through the iteration
     x = rounded(x.astype(f32))
+    if row_equilibration:
+        x = row_equilibrate(x)
     norm = jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True))
-    x = x / (norm * NORM_SAFETY + 1e-6)
+    x = x / (norm * norm_safety + 1e-6)
     tall = x.shape[-2] > x.shape[-1]
     for a, b, c in POLAR_EXPRESS_COEFFS[:ns_steps]:
         # X and A are rounded once each and every term uses the rounded values: the step is then the
@@ -87,6 +97,22 @@ def polar_express(x: jax.Array, ns_steps: int = 5, dtype=jnp.bfloat16) -> jax.Ar
         poly = b * gram + c * matmul(gram, gram)
         x = a * x + (matmul(x, poly) if tall else matmul(poly, x))
     return x
+
+
+def row_equilibrate(x: jax.Array) -> jax.Array:
+    """MuonEq (arXiv 2603.28254, nanochat/optim.py at 92d63d4), float32, on kernels x (..., in, out): every
+    PyTorch row (an output: a column of the kernel, norm over axis -2) rescaled to the root mean square
+    row norm ‖X‖_F/√rows, so that the spectrum Polar Express starts from is better conditioned."""
+    target = jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True)) / math.sqrt(x.shape[-1])
+    row_norm = jnp.maximum(jnp.sqrt(jnp.sum(jnp.square(x), axis=-2, keepdims=True)), NORM_FLOOR)
+    return x * (target / row_norm)
+
+
+def muon_plus(x: jax.Array) -> jax.Array:
+    """Muon+ (arXiv 2602.21545, nanochat/optim.py at 92d63d4): each matrix's Frobenius norm snapped to
+    √min(m, n), that of an exactly semi-orthogonal matrix, correcting Polar Express's under-convergence."""
+    norm = jnp.maximum(jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True)), NORM_FLOOR)
+    return x * (math.sqrt(min(x.shape[-2:])) / norm)
 
 
 def polar_express_flops(shapes: Iterable[tuple[int, ...]], ns_steps: int = 5) -> int:
@@ -154,6 +180,10 @@ def muon(
     beta2: float = 0.95,
     weight_decay: Hyperparameter = 0.0,
     polar_dtype=jnp.bfloat16,
+    *,
+    norm_safety: float = NORM_SAFETY,
+    row_equilibration: bool = False,
+    renormalize: bool = False,
 ) -> optax.GradientTransformation:
     """nanochat's Muon for a pytree of kernels (..., in, out), each with ndim >= 2; leading axes are
     batch axes (a stack of same-shape matrices is orthogonalised by one batched matmul chain).
@@ -162,6 +192,8 @@ def muon(
     held in the state), so they change per step inside one compiled update. update() needs params
     (cautious weight decay); optax.apply_updates then gives p - lr_eff·X - lr_eff·wd·p·mask.
     polar_dtype: dtype of the Polar Express matmuls (bfloat16 as nanochat).
+    norm_safety, row_equilibration (MuonEq), renormalize (Muon+): nanochat 92d63d4's options (1.01, True,
+    True there); the defaults are bdcc030's Muon, unchanged.
     Sharding follows the inputs: stacks split over a mesh axis by whole matrices are updated locally.
     """
 
@@ -200,7 +232,8 @@ def muon(
         # offsets in its hyperparameters, none of which this has.
         xs, new_s = [], []
         for u, s in zip(directions, s_leaves):
-            x, s = variance_reduction(polar_express(u, ns_steps, polar_dtype), s, jnp.float32(beta2))
+            x = polar_express(u, ns_steps, polar_dtype, norm_safety=norm_safety, row_equilibration=row_equilibration)
+            x, s = variance_reduction(muon_plus(x) if renormalize else x, s, jnp.float32(beta2))
             xs.append(x)
             new_s.append(s)
         # 4. cautious weight decay: decay only where the update and the weight agree in sign

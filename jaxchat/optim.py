@@ -1,5 +1,6 @@
 """The optimizer of base training: Muon for the block matrices, AdamW for everything else, as one
-optax.partition, with the scaling rules and schedules of nanochat's scripts/base_train.py (the commit in the README).
+optax.partition, with the scaling rules and schedules of nanochat's scripts/base_train.py, per recipe
+(OPTIMIZER_RECIPES): bdcc030's (nanochat/adamw.py, nanochat/muon.py) or 92d63d4's (nanochat/optim.py).
 
 The schedules are pure functions of the step, written with jnp so they work on traced steps inside
 the optimizer and on Python ints for printing. Each transform counts its own updates from 0, so the
@@ -8,7 +9,8 @@ update at step t uses exactly the values nanochat uses at step t.
 
 import dataclasses
 import math
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +24,15 @@ from jaxchat.muon import muon
 
 REFERENCE_BATCH_SIZE = 2**19  # tokens; the learning rates were tuned at this batch size
 REFERENCE_MODEL_DIM = 768  # the AdamW learning rates of wte and lm_head were tuned at this width
-REFERENCE_DEPTH = 12  # weight decay was tuned at d12
+REFERENCE_DEPTH = 12  # weight decay (and, at 92d63d4, the batch size) was tuned at d12
 MUON_MOMENTUM_WARMUP_STEPS = 300
 ADAM_EPS = 1e-10
+# nanochat 92d63d4 (scripts/base_train.py): the batch size follows the Power Lines paper, B ∝ D^0.383
+# (arXiv 2505.13738), from 2^19 tokens at d12's horizon; Muon's momentum warms up over 400 steps to 0.97
+# and falls to 0.90 across the LR warmdown
+BATCH_SIZE_EXPONENT = 0.383
+MOMENTUM_WARMUP_STEPS_92D63D4 = 400
+MOMENTUM_START, MOMENTUM_PEAK_92D63D4, MOMENTUM_END_92D63D4 = 0.85, 0.97, 0.90
 
 # The AdamW group of each top-level parameter name; every matrix under 'blocks' goes to Muon (the 92d63d4
 # value-embedding gates blocks.<i>.attn.ve_gate included, as nanochat 92d63d4's setup_optimizer). The last
@@ -45,11 +53,64 @@ VALUE_EMBEDS_LR_FACTOR = 0.5  # value embeddings' lr relative to wte's (nanochat
 SMEAR_LR = 0.2  # nanochat 92d63d4 setup_optimizer: fixed, scaled neither by batch size nor by width
 
 
+# ---- the optimizer of each recipe ----------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class AdamWGroup:
+    """One AdamW group's own hyperparameters. betas None: the --adam-beta1/--adam-beta2 flags (bdcc030)."""
+
+    betas: tuple[float, float] | None = None
+    weight_decay: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerRecipe:
+    """The optimizer of one nanochat commit: its AdamW groups, its Muon options and which of the schedules
+    and scaling rules below it trains with. fp32_adamw: AdamW's moments and update in float32 whatever the
+    parameter dtype (92d63d4's adamw_step_fused), as an optax.adamw otherwise (bdcc030: optax.adam)."""
+
+    adamw: Mapping[str, AdamWGroup]
+    muon: Mapping[str, object]  # keyword options of jaxchat.muon.muon
+    warmup: str  # 'ratio': round(warmup_ratio·N) steps; 'steps': warmup_steps
+    momentum: str  # 'bdcc030' or '92d63d4': muon_momentum / muon_momentum_92d63d4
+    weight_decay: str  # 'linear' or 'cosine' to zero at step N
+    weight_decay_rule: str  # 'depth': ∝ 1/depth²; 'horizon': the T_epoch rule (scaled_weight_decay_92d63d4)
+    fp32_adamw: bool
+
+
+OPTIMIZER_RECIPES: Mapping[str, OptimizerRecipe] = types.MappingProxyType({
+    # nanochat/adamw.py + nanochat/muon.py at bdcc030: every AdamW group with the flags' betas, no decay
+    "bdcc030": OptimizerRecipe(
+        adamw=types.MappingProxyType({name: AdamWGroup()
+                                      for name in ("wte", "lm_head", "resid_lambdas", "x0_lambdas")}),
+        muon=types.MappingProxyType({"beta2": 0.95}), warmup="ratio", momentum="bdcc030", weight_decay="linear",
+        weight_decay_rule="depth", fp32_adamw=False),
+    # nanochat/optim.py and GPT.setup_optimizer at 92d63d4
+    "92d63d4": OptimizerRecipe(
+        adamw=types.MappingProxyType({
+            "lm_head": AdamWGroup((0.8, 0.96), 0.01),
+            "wte": AdamWGroup((0.8, 0.995), 0.001),
+            "value_embeds": AdamWGroup((0.8, 0.995), 0.01),
+            "resid_lambdas": AdamWGroup((0.8, 0.95), 0.05),
+            "x0_lambdas": AdamWGroup((0.96, 0.95), 0.0),
+            "smear": AdamWGroup((0.8, 0.95), 0.0),
+        }),
+        muon=types.MappingProxyType({"beta2": 0.9, "norm_safety": 1.01, "row_equilibration": True,
+                                     "renormalize": True}),
+        warmup="steps", momentum="92d63d4", weight_decay="cosine", weight_decay_rule="horizon", fp32_adamw=True),
+})
+
+
+def optimizer_recipe(name: str) -> OptimizerRecipe:
+    if name not in OPTIMIZER_RECIPES:
+        raise ValueError(f"no optimizer for recipe {name!r}: use one of {', '.join(OPTIMIZER_RECIPES)}")
+    return OPTIMIZER_RECIPES[name]
+
+
 # ---- schedules -----------------------------------------------------------------------------------
-def lr_multiplier(step, num_iterations: int, warmup_ratio: float, warmdown_ratio: float, final_lr_frac: float):
-    """Linear warmup over round(warmup_ratio·N) steps, 1.0, then linear warmdown over the last
-    round(warmdown_ratio·N) steps to final_lr_frac (reached at step N)."""
-    warmup_iters = round(warmup_ratio * num_iterations)
+def lr_multiplier(step, num_iterations: int, warmup_iters: int, warmdown_ratio: float, final_lr_frac: float):
+    """Linear warmup over warmup_iters steps (bdcc030: round(warmup_ratio·N); 92d63d4: --warmup-steps),
+    1.0, then linear warmdown over the last round(warmdown_ratio·N) steps to final_lr_frac (reached at
+    step N)."""
     warmdown_iters = round(warmdown_ratio * num_iterations)
     it = jnp.asarray(step, jnp.float32)
     warmup = (it + 1) / max(warmup_iters, 1)
@@ -62,6 +123,25 @@ def muon_momentum(step):
     """0.85 -> 0.95 linearly over the first 300 steps."""
     frac = jnp.minimum(jnp.asarray(step, jnp.float32) / MUON_MOMENTUM_WARMUP_STEPS, 1.0)
     return (1 - frac) * 0.85 + frac * 0.95
+
+
+def muon_momentum_92d63d4(step, num_iterations: int, warmdown_ratio: float):
+    """0.85 -> 0.97 linearly over the first 400 steps, 0.97, then 0.97 -> 0.90 linearly across the LR
+    warmdown (from step N - round(warmdown_ratio·N) to N); the warmup wins where they overlap."""
+    warmdown_iters = round(warmdown_ratio * num_iterations)
+    warmdown_start = num_iterations - warmdown_iters
+    it = jnp.asarray(step, jnp.float32)
+    frac = it / MOMENTUM_WARMUP_STEPS_92D63D4
+    warmup = (1 - frac) * MOMENTUM_START + frac * MOMENTUM_PEAK_92D63D4
+    progress = (it - warmdown_start) / max(warmdown_iters, 1)
+    warmdown = MOMENTUM_PEAK_92D63D4 * (1 - progress) + MOMENTUM_END_92D63D4 * progress
+    return jnp.where(it < MOMENTUM_WARMUP_STEPS_92D63D4, warmup,
+                     jnp.where(it >= warmdown_start, warmdown, MOMENTUM_PEAK_92D63D4))
+
+
+def weight_decay_cosine(step, weight_decay_scaled: float, num_iterations: int):
+    """Muon's weight decay at 92d63d4: wd·(1 + cos(π·step/N))/2, from wd to zero at step N."""
+    return weight_decay_scaled * 0.5 * (1 + jnp.cos(jnp.pi * jnp.asarray(step, jnp.float32) / num_iterations))
 
 
 def weight_decay_at(step, weight_decay_scaled: float, num_iterations: int):
@@ -79,6 +159,20 @@ def batch_lr_scale(total_batch_size: int) -> float:
 def scaled_weight_decay(weight_decay: float, depth: int) -> float:
     """Weight decay ∝ 1/width² (= 1/depth² at a fixed aspect ratio), tuned at d12."""
     return weight_decay * (REFERENCE_DEPTH / depth) ** 2
+
+
+def auto_total_batch_size(target_tokens: int, reference_tokens: float) -> int:
+    """92d63d4's --total-batch-size -1: 2^19 x (D / D_ref)^0.383 to the nearest power of two, D the run's
+    target tokens and D_ref those of d12 at the same data:param ratio."""
+    predicted = REFERENCE_BATCH_SIZE * (target_tokens / reference_tokens) ** BATCH_SIZE_EXPONENT
+    return 2 ** round(math.log2(predicted))
+
+
+def scaled_weight_decay_92d63d4(weight_decay: float, total_batch_size: int, target_tokens: int,
+                                reference_tokens: float) -> float:
+    """T_epoch = B/(η·λ·D) held constant (arXiv 2405.13698) with η ∝ √(B/B_ref):
+    λ = λ_ref · √(B/B_ref) · D_ref/D (nanochat scripts/base_train.py at 92d63d4)."""
+    return weight_decay * math.sqrt(total_batch_size / REFERENCE_BATCH_SIZE) * (reference_tokens / target_tokens)
 
 
 def group_learning_rates(
@@ -252,6 +346,75 @@ class Optimizer:
         return [axes_of(path, leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]]
 
 
+def adamw_fp32(learning_rate: Callable, b1: float, b2: float, eps: float, weight_decay: float
+               ) -> optax.GradientTransformation:
+    """nanochat 92d63d4's adamw_step_fused: decoupled decay p·(1 − lr·wd) then Adam, its moments and
+    arithmetic in float32 whatever the parameter dtype (bf16 embeddings). optax.apply_updates adds the
+    float32 update to the parameter in float32 and rounds the sum once, as nanochat's p.copy_(p32)."""
+    f32 = jnp.float32
+
+    def init_fn(params):
+        zeros = lambda p: jnp.zeros(p.shape, f32)  # noqa: E731
+        return optax.ScaleByAdamState(count=jnp.zeros((), jnp.int32), mu=jax.tree.map(zeros, params),
+                                      nu=jax.tree.map(zeros, params))
+
+    def update_fn(grads, state, params=None):
+        if params is None:
+            raise ValueError("adamw_fp32 needs the params for its weight decay: call update(grads, state, params)")
+        count = optax.safe_int32_increment(state.count)
+        lr = learning_rate(state.count).astype(f32)
+        t = count.astype(f32)
+        mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g.astype(f32), state.mu, grads)
+        nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * jnp.square(g.astype(f32)), state.nu, grads)
+        bias1, bias2 = 1 - b1**t, 1 - b2**t
+
+        def update(p, m, v):
+            p32 = p.astype(f32)
+            new = p32 * (1 - lr * weight_decay) - (lr / bias1) * m / (jnp.sqrt(v / bias2) + eps)
+            return new - p32
+
+        return jax.tree.map(update, params, mu, nu), optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class Horizon:
+    """92d63d4's weight-decay rule needs the run's horizon: its target tokens D and d12's D_ref."""
+
+    target_tokens: int
+    reference_tokens: float
+
+
+def _scaled_weight_decay(spec: OptimizerRecipe, weight_decay: float, depth: int, total_batch_size: int,
+                         horizon: Horizon | None) -> float:
+    if spec.weight_decay_rule == "depth":
+        return scaled_weight_decay(weight_decay, depth)
+    if horizon is None:
+        raise ValueError("this recipe scales weight decay by the horizon: setup_optimizer needs horizon=Horizon(...)")
+    return scaled_weight_decay_92d63d4(weight_decay, total_batch_size, horizon.target_tokens, horizon.reference_tokens)
+
+
+def _schedules(spec: OptimizerRecipe, num_iterations: int, wd: float, warmup_ratio: float, warmup_steps: int,
+               warmdown_ratio: float, final_lr_frac: float) -> tuple[Callable, Callable, Callable]:
+    """(lr multiplier, Muon momentum, Muon weight decay) of the recipe, each a function of the step."""
+    warmup_iters = round(warmup_ratio * num_iterations) if spec.warmup == "ratio" else warmup_steps
+    decay_rule = weight_decay_cosine if spec.weight_decay == "cosine" else weight_decay_at
+
+    def lrm(step):
+        return lr_multiplier(step, num_iterations, warmup_iters, warmdown_ratio, final_lr_frac)
+
+    def momentum(step):
+        if spec.momentum == "92d63d4":
+            return muon_momentum_92d63d4(step, num_iterations, warmdown_ratio)
+        return muon_momentum(step)
+
+    def decay(step):
+        return decay_rule(step, wd, num_iterations)
+
+    return lrm, momentum, decay
+
+
 def setup_optimizer(
     params,
     *,
@@ -266,53 +429,61 @@ def setup_optimizer(
     weight_decay: float = 0.2,
     adam_betas: tuple[float, float] = (0.8, 0.95),
     warmup_ratio: float = 0.0,
+    warmup_steps: int = 0,
     warmdown_ratio: float = 0.4,
     final_lr_frac: float = 0.0,
+    recipe: str = "bdcc030",
+    horizon: Horizon | None = None,
     mesh: Mesh | None = None,
     print_fn: Callable[[str], None] | None = None,
 ) -> Optimizer:
     """nanochat's Muon + AdamW for the model's parameters (arrays or their shapes: every one must have a
     group, checked now). The keyword arguments are base_train.py's flags; the scaling rules and
-    schedules are applied here. mesh: Muon's stacks split over its 'data' axis (nanochat's DistMuon).
-    print_fn: prints the scaling rules and the groups (e.g. print0)."""
+    schedules are the recipe's (OPTIMIZER_RECIPES), applied here: adam_betas and warmup_ratio are
+    bdcc030's, warmup_steps and horizon 92d63d4's. mesh: Muon's stacks split over its 'data' axis
+    (nanochat's DistMuon). print_fn: prints the scaling rules and the groups (e.g. print0)."""
+    spec = optimizer_recipe(recipe)
     if num_iterations <= 0:
         raise ValueError(f"num_iterations must be positive, got {num_iterations}")
     for name, value in (("unembedding_lr", unembedding_lr), ("embedding_lr", embedding_lr), ("matrix_lr", matrix_lr),
-                        ("scalar_lr", scalar_lr), ("weight_decay", weight_decay)):
+                        ("scalar_lr", scalar_lr), ("weight_decay", weight_decay), ("warmup_steps", warmup_steps)):
         if value < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
     shards = mesh.shape[DATA_AXIS] if mesh is not None else 1
     layout = ParamLayout(params, shards)
     lrs = group_learning_rates(model_dim=model_dim, total_batch_size=total_batch_size, unembedding_lr=unembedding_lr,
                                embedding_lr=embedding_lr, matrix_lr=matrix_lr, scalar_lr=scalar_lr)
-    wd = scaled_weight_decay(weight_decay, depth)
+    wd = _scaled_weight_decay(spec, weight_decay, depth, total_batch_size, horizon)
     if print_fn is not None:
         if total_batch_size != REFERENCE_BATCH_SIZE:
             print_fn(f"Scaling LRs by {batch_lr_scale(total_batch_size):.4f} for batch size {total_batch_size:,} "
                      f"(reference: {REFERENCE_BATCH_SIZE:,})")
-        if depth != REFERENCE_DEPTH:
+        if wd != weight_decay:
             print_fn(f"Scaling weight decay from {weight_decay:.6f} to {wd:.6f} for depth {depth}")
         print_fn(f"Scaling the LR for the AdamW parameters ∝1/√({model_dim}/{REFERENCE_MODEL_DIM}) = "
                  f"{(model_dim / REFERENCE_MODEL_DIM) ** -0.5:.6f}")
         for line in describe_param_groups(lrs, layout):
             print_fn(line)
-
-    def lrm(step):
-        return lr_multiplier(step, num_iterations, warmup_ratio, warmdown_ratio, final_lr_frac)
-
-    def decay(step):
-        return weight_decay_at(step, wd, num_iterations)
+    lrm, momentum, decay = _schedules(spec, num_iterations, wd, warmup_ratio, warmup_steps, warmdown_ratio,
+                                      final_lr_frac)
 
     def scheduled(peak_lr: float) -> Callable:
         return lambda count: peak_lr * lrm(count)
 
-    b1, b2 = adam_betas
-    # only the groups the model has: a bdcc030 model's optimizer state stays what it was
-    transforms = {name: optax.adam(scheduled(lrs[name]), b1=b1, b2=b2, eps=ADAM_EPS) for name in ADAMW_GROUPS
-                  if name in layout.labels}
-    transforms[MUON_GROUP] = muon(learning_rate=scheduled(lrs[MUON_GROUP]), momentum=muon_momentum, weight_decay=decay)
+    transforms = {}
+    for name in dict.fromkeys(layout.labels):  # only the groups the model has
+        if name == MUON_GROUP:
+            continue
+        if name not in spec.adamw:
+            raise ValueError(f"recipe {recipe} has no AdamW group {name!r}: the model is of another recipe")
+        group = spec.adamw[name]
+        b1, b2 = group.betas or adam_betas
+        transforms[name] = (adamw_fp32(scheduled(lrs[name]), b1, b2, ADAM_EPS, group.weight_decay) if spec.fp32_adamw
+                            else optax.adam(scheduled(lrs[name]), b1=b1, b2=b2, eps=ADAM_EPS))
+    transforms[MUON_GROUP] = muon(learning_rate=scheduled(lrs[MUON_GROUP]), momentum=momentum, weight_decay=decay,
+                                  **spec.muon)
     tx = optax.partition(transforms, layout.view_labels())
-    return Optimizer(tx, layout, lrs, lrm, muon_momentum, decay)
+    return Optimizer(tx, layout, lrs, lrm, momentum, decay)
 
 
 def describe_param_groups(learning_rates: dict[str, float], layout: ParamLayout) -> list[str]:

@@ -8,7 +8,9 @@ The arithmetic is nanochat's (scripts/base_train.py at the commit the README nam
     model_dim = depth x aspect_ratio, heads of about head_dim          (GPTConfig.from_depth)
     grad_accum = total_batch_size / (device_batch_size x max_seq_len x devices), exactly
     steps = num_iterations, else round(target_flops / (flops_per_token x total_batch_size)),
-            else target_param_data_ratio x params // total_batch_size
+            else int(target_param_data_ratio x scaling params) // total_batch_size
+and, at nanochat 92d63d4, --total-batch-size -1: the batch of jaxchat.optim.auto_total_batch_size from the
+target tokens over d12's (the same ratio times d12's scaling params), and weight decay scaled by them too.
 """
 
 import dataclasses
@@ -21,7 +23,7 @@ from jax.sharding import Mesh
 
 from jaxchat.gpt import GPTConfig, count_params, use_fp8
 from jaxchat.mesh import batch_sharding, make_mesh
-from jaxchat.optim import Optimizer, setup_optimizer
+from jaxchat.optim import Horizon, Optimizer, auto_total_batch_size, optimizer_recipe, setup_optimizer
 from jaxchat.settings import RunSettings, SettingsError
 from jaxchat.trainer import TrainState, abstract_model, abstract_train_state, init_train_state, make_train_step
 
@@ -32,6 +34,7 @@ class Run:
     config: GPTConfig
     mesh: Mesh
     grad_accum_steps: int
+    total_batch_size: int  # tokens per optimizer step: the setting's, or the recipe's rule for -1
     num_iterations: int
     num_params: int
     flops_per_token: int
@@ -54,7 +57,7 @@ class Run:
 
     def training_flops(self, steps: int) -> int:
         """FLOPs of the first `steps` optimizer steps (nanochat's estimate: flops_per_token x tokens)."""
-        return self.flops_per_token * self.settings.total_batch_size * steps
+        return self.flops_per_token * self.total_batch_size * steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,38 +66,69 @@ class Layout:
     a script makes it before any download, so that a batch that does not divide fails at once."""
 
     mesh: Mesh
-    grad_accum_steps: int
+    grad_accum_steps: int | None  # None: the batch size is the recipe's rule's, known once the model is
 
 
-def make_layout(settings: RunSettings, mesh: Mesh | None = None) -> Layout:
+def make_layout(settings: RunSettings, mesh: Mesh | None = None, total_batch_size: int | None = None) -> Layout:
     """The mesh (given, or settings.num_devices of all devices) and
-    grad_accum = total_batch_size / (device_batch_size x max_seq_len x devices), exactly. Raises SettingsError."""
+    grad_accum = total_batch_size / (device_batch_size x max_seq_len x devices), exactly; total_batch_size
+    defaults to the setting's (for -1, auto, grad_accum waits for build_run). Raises SettingsError."""
     try:
         mesh = mesh or make_mesh(settings.num_devices)
     except ValueError as e:
         raise SettingsError(f"{e} (--num-devices)") from None
+    total = settings.total_batch_size if total_batch_size is None else total_batch_size
+    if total == -1:
+        return Layout(mesh, None)
     world_tokens = settings.device_batch_size * settings.max_seq_len * mesh.devices.size
-    if settings.total_batch_size % world_tokens:
-        k = max(1, round(settings.total_batch_size / world_tokens))
+    if total % world_tokens:
+        k = max(1, round(total / world_tokens))
+        what = "--total-batch-size" if total_batch_size is None else "the automatic total batch size"
         raise SettingsError(
-            f"--total-batch-size {settings.total_batch_size:,} is not a multiple of device_batch_size x max_seq_len x "
+            f"{what} {total:,} is not a multiple of device_batch_size x max_seq_len x "
             f"devices = {settings.device_batch_size} x {settings.max_seq_len} x {mesh.devices.size} = "
             f"{world_tokens:,}: use e.g. --total-batch-size={k * world_tokens}")
-    return Layout(mesh, settings.total_batch_size // world_tokens)
+    return Layout(mesh, total // world_tokens)
 
 
-def training_horizon(settings: RunSettings, num_params: int, flops_per_token: int,
+def model_config(settings: RunSettings, vocab_size: int, depth: int | None = None) -> GPTConfig:
+    """The GPT of these settings (at another depth: the d12 reference of the batch-size rule)."""
+    return GPTConfig.from_depth(depth or settings.depth, vocab_size, aspect_ratio=settings.aspect_ratio,
+                                head_dim=settings.head_dim, max_seq_len=settings.max_seq_len,
+                                window_pattern=settings.window_pattern, recipe=settings.recipe)
+
+
+def batch_and_horizon(settings: RunSettings, vocab_size: int, num_params: int,
+                      say: Callable[[str], None]) -> tuple[int, Horizon | None]:
+    """(total batch size, Horizon) of a recipe whose rules scale by the horizon (92d63d4): D = int(ratio x
+    scaling params), D_ref = ratio x d12's, and for --total-batch-size -1 the batch from them; else
+    (the setting, None)."""
+    if optimizer_recipe(settings.recipe).weight_decay_rule != "horizon":
+        return settings.total_batch_size, None
+    ratio = settings.target_param_data_ratio  # -1 (off) too: D / D_ref and the decay rule do not depend on it
+    reference_params = abstract_model(model_config(settings, vocab_size, 12), settings.seed,
+                                      **settings.model_kwargs()).num_scaling_params()
+    horizon = Horizon(int(ratio * num_params), ratio * reference_params)
+    total_batch_size = settings.total_batch_size
+    if total_batch_size == -1:
+        total_batch_size = auto_total_batch_size(horizon.target_tokens, horizon.reference_tokens)
+        say(f"Auto-computed optimal batch size: {total_batch_size:,} tokens")
+    return total_batch_size, horizon
+
+
+def training_horizon(settings: RunSettings, num_params: int, flops_per_token: int, total_batch_size: int,
                      say: Callable[[str], None]) -> int:
     """Steps: given, or from target flops, or from the data:param ratio (in that order, as base_train.py)."""
     if settings.num_iterations > 0:
         num_iterations = settings.num_iterations
         say(f"Using user-provided number of iterations: {num_iterations:,}")
     elif settings.target_flops > 0:
-        num_iterations = round(settings.target_flops / (flops_per_token * settings.total_batch_size))
+        num_iterations = round(settings.target_flops / (flops_per_token * total_batch_size))
         say(f"Calculated number of iterations from target FLOPs: {num_iterations:,}")
     else:
-        # int(): a recipe's ratio may be a float (nanochat 92d63d4's 12.0); bdcc030's int gives the same int
-        num_iterations = int(settings.target_param_data_ratio * num_params // settings.total_batch_size)
+        # int(): a recipe's ratio may be a float (nanochat 92d63d4's 12.0); floor(int(x) / B) = floor(x / B), so
+        # this is 92d63d4's target_tokens // B, and bdcc030's int ratio gives the same int as before
+        num_iterations = int(settings.target_param_data_ratio * num_params // total_batch_size)
         say(f"Calculated number of iterations from target data:param ratio: {num_iterations:,}")
     if num_iterations < 1:
         raise SettingsError(f"the horizon gives {num_iterations} iterations: raise --target-flops / "
@@ -109,20 +143,11 @@ def build_run(settings: RunSettings, vocab_size: int, *, mesh: Mesh | None = Non
     print_fn (e.g. print0) prints nanochat's preamble lines. Raises SettingsError."""
     say = print_fn or (lambda _: None)
     layout = layout or make_layout(settings, mesh)
-    mesh = layout.mesh
-    config = GPTConfig.from_depth(settings.depth, vocab_size, aspect_ratio=settings.aspect_ratio,
-                                  head_dim=settings.head_dim, max_seq_len=settings.max_seq_len,
-                                  window_pattern=settings.window_pattern, recipe=settings.recipe)
+    config = model_config(settings, vocab_size)
     say(f"num_layers: {config.n_layer}")
     say(f"model_dim: {config.n_embd}")
     say(f"num_heads: {config.n_head}")
     say(f"num_kv_heads: {config.n_kv_head}")
-
-    tokens_per_fwdbwd = settings.device_batch_size * settings.max_seq_len
-    world_tokens = tokens_per_fwdbwd * mesh.devices.size
-    say(f"Tokens / micro-batch / device: {settings.device_batch_size} x {settings.max_seq_len} = {tokens_per_fwdbwd:,}")
-    say(f"Tokens / micro-batch: {world_tokens:,}")
-    say(f"Total batch size {settings.total_batch_size:,} => gradient accumulation steps: {layout.grad_accum_steps}")
     say(f"Vocab size: {vocab_size:,}")
 
     model_kwargs = settings.model_kwargs()
@@ -135,8 +160,16 @@ def build_run(settings: RunSettings, vocab_size: int, *, mesh: Mesh | None = Non
         converted, linear = use_fp8(model)
         say(f"✓ FP8 training enabled ({settings.fp8_recipe} scaling) - converted {converted}/{linear} linear layers, "
             f"skipped {linear - converted} (too small)")
-    num_iterations = training_horizon(settings, num_params, flops_per_token, say)
-    total_tokens = settings.total_batch_size * num_iterations
+    total_batch_size, horizon = batch_and_horizon(settings, vocab_size, num_params, say)
+    if layout.grad_accum_steps is None:
+        layout = make_layout(settings, layout.mesh, total_batch_size)
+    mesh = layout.mesh
+    tokens_per_fwdbwd = settings.device_batch_size * settings.max_seq_len
+    say(f"Tokens / micro-batch / device: {settings.device_batch_size} x {settings.max_seq_len} = {tokens_per_fwdbwd:,}")
+    say(f"Tokens / micro-batch: {tokens_per_fwdbwd * mesh.devices.size:,}")
+    say(f"Total batch size {total_batch_size:,} => gradient accumulation steps: {layout.grad_accum_steps}")
+    num_iterations = training_horizon(settings, num_params, flops_per_token, total_batch_size, say)
+    total_tokens = total_batch_size * num_iterations
     say(f"Total number of training tokens: {total_tokens:,}")
     say(f"Tokens : Params ratio: {total_tokens / num_params:.2f}")
     say(f"Total training FLOPs estimate: {flops_per_token * total_tokens:e}")
@@ -144,16 +177,17 @@ def build_run(settings: RunSettings, vocab_size: int, *, mesh: Mesh | None = Non
     try:
         optimizer = setup_optimizer(
             nnx.state(model, nnx.Param), model_dim=config.n_embd, depth=config.n_layer, num_iterations=num_iterations,
-            total_batch_size=settings.total_batch_size, unembedding_lr=settings.unembedding_lr,
+            total_batch_size=total_batch_size, unembedding_lr=settings.unembedding_lr,
             embedding_lr=settings.embedding_lr, matrix_lr=settings.matrix_lr, scalar_lr=settings.scalar_lr,
             weight_decay=settings.weight_decay, adam_betas=(settings.adam_beta1, settings.adam_beta2),
-            warmup_ratio=settings.warmup_ratio, warmdown_ratio=settings.warmdown_ratio,
-            final_lr_frac=settings.final_lr_frac, mesh=mesh, print_fn=print_fn)
+            warmup_ratio=settings.warmup_ratio, warmup_steps=settings.warmup_steps,
+            warmdown_ratio=settings.warmdown_ratio, final_lr_frac=settings.final_lr_frac, recipe=settings.recipe,
+            horizon=horizon, mesh=mesh, print_fn=print_fn)
     except ValueError as e:
         raise SettingsError(str(e)) from None
     state = abstract_train_state(config, optimizer, mesh, fsdp=settings.fsdp, seed=settings.seed, **model_kwargs)
-    return Run(settings, config, mesh, layout.grad_accum_steps, num_iterations, num_params, flops_per_token,
-               optimizer, state)
+    return Run(settings, config, mesh, layout.grad_accum_steps, total_batch_size, num_iterations, num_params,
+               flops_per_token, optimizer, state)
 
 
 def abstract_batch(run: Run) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:

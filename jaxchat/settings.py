@@ -18,6 +18,7 @@ from typing import Any
 from jaxchat.checkpoint import parse_resume_step
 from jaxchat.fp8 import RECIPES as FP8_RECIPES
 from jaxchat.gpt import DEFAULT_RECIPE, REMAT_POLICIES, check_window_pattern, width_and_heads
+from jaxchat.shards import DEFAULT_CORPUS, get_data_dir
 
 
 class SettingsError(ValueError):
@@ -34,18 +35,33 @@ class Recipe:
     replaced: flags this recipe does not have -> what replaced them (the one line a user gets).
     The model of the recipe is the GPT of the same name (jaxchat.gpt.RECIPES: value embeddings, smear, ...),
     which GPTConfig.recipe selects.
+    auto_batch: --total-batch-size -1 picks the batch size by the recipe's rule (jaxchat.optim).
+    corpus: the downloaded corpus the recipe trains on (FineWeb-Edu at bdcc030, ClimbMix at 92d63d4).
     A setting that only some recipes have says so in its field's `recipes` metadata."""
 
     name: str
     nanochat_commit: str
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
     replaced: Mapping[str, str] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+    auto_batch: bool = False
+    corpus: str = DEFAULT_CORPUS  # a key of jaxchat.shards.CORPORA: where --data-dir defaults to
 
 
 RECIPES: Mapping[str, Recipe] = types.MappingProxyType({
     recipe.name: recipe for recipe in (
         # nanochat in January 2026 (scripts/base_train.py at bdcc030): the field defaults below
         Recipe(name="bdcc030", nanochat_commit="bdcc030"),
+        # nanochat in July 2026 (scripts/base_train.py and nanochat/optim.py at 92d63d4); its optimizer is
+        # jaxchat.optim.OPTIMIZER_RECIPES["92d63d4"]
+        Recipe(
+            name="92d63d4", nanochat_commit="92d63d4", auto_batch=True, corpus="climbmix",
+            defaults=types.MappingProxyType({
+                "target_param_data_ratio": 12.0, "total_batch_size": -1, "unembedding_lr": 0.008, "weight_decay": 0.28,
+                "warmup_steps": 40, "warmdown_ratio": 0.65, "final_lr_frac": 0.05, "eval_tokens": 80 * 524288}),
+            replaced=types.MappingProxyType({
+                "adam_beta1": "each AdamW group has its own betas there (jaxchat.optim.OPTIMIZER_RECIPES)",
+                "adam_beta2": "each AdamW group has its own betas there (jaxchat.optim.OPTIMIZER_RECIPES)",
+                "warmup_ratio": "it warms up over a number of steps: use --warmup-steps"})),
     )
 })
 
@@ -97,11 +113,12 @@ class RunSettings:
     num_iterations: int = setting(-1, "explicit number of optimization steps (-1 = disable)", "Training horizon", off="off")
     target_flops: float = setting(-1.0, "calculate num_iterations to reach target_flops (-1 = disable)",
                                   "Training horizon", off="off")
-    target_param_data_ratio: int = setting(8, "calculate num_iterations to maintain data:param ratio "
-                                           "(Chinchilla=20, -1 = disable)", "Training horizon", off="off")
+    target_param_data_ratio: float = setting(8, "calculate num_iterations to maintain data:param ratio "
+                                             "(Chinchilla=20, -1 = disable)", "Training horizon", off="off")
     # Optimization
     device_batch_size: int = setting(32, "per-device batch size", "Optimization", positive=True)
-    total_batch_size: int = setting(524288, "total batch size in tokens", "Optimization", positive=True)
+    total_batch_size: int = setting(524288, "total batch size in tokens (-1 = the recipe's rule, where it has one)",
+                                    "Optimization")
     embedding_lr: float = setting(0.3, "learning rate for embedding parameters (Adam)", "Optimization")
     unembedding_lr: float = setting(0.004, "learning rate for unembedding parameters (Adam)", "Optimization")
     weight_decay: float = setting(0.2, "cautious weight decay for the Muon optimizer (for weights)", "Optimization")
@@ -110,6 +127,7 @@ class RunSettings:
     adam_beta1: float = setting(0.8, "Adam beta1 for embedding/unembedding", "Optimization")
     adam_beta2: float = setting(0.95, "Adam beta2 for embedding/unembedding", "Optimization")
     warmup_ratio: float = setting(0.0, "ratio of iterations for LR warmup", "Optimization")
+    warmup_steps: int = setting(0, "number of steps for LR warmup", "Optimization", recipes=("92d63d4",))
     warmdown_ratio: float = setting(0.4, "ratio of iterations for LR warmdown", "Optimization")
     final_lr_frac: float = setting(0.0, "final LR as fraction of initial LR", "Optimization")
     resume_from_step: int | str = setting(-1, "resume training from this step (-1 = disable, 'latest' = newest "
@@ -134,7 +152,8 @@ class RunSettings:
     num_devices: int = setting(-1, "devices in the mesh, over all processes (-1 = all)", "JAX", nanochat=False, off="all")
     fsdp: bool = setting(False, "shard parameters over the data axis too (ZeRO-3), for depths whose state does "
                          "not fit", "JAX", nanochat=False)
-    data_dir: str | None = setting(None, "parquet shards (default: <base_dir>/base_data)", "JAX", nanochat=False)
+    data_dir: str | None = setting(None, "parquet shards (default: the recipe corpus's, <base_dir>/base_data or "
+                                   "<base_dir>/base_data_climbmix)", "JAX", nanochat=False)
     seed: int = setting(42, "seed of the model initialisation", "JAX", nanochat=False)
     keep_checkpoints: int = setting(-1, "keep only the newest N checkpoints (-1 = all)", "JAX", nanochat=False, off="all")
     attention: str = setting("auto", "attention kernel (auto: cudnn on NVIDIA GPUs, xla elsewhere)", "JAX",
@@ -171,6 +190,12 @@ class RunSettings:
                                     "be at least 1")
             if meta["choices"] is not None and value not in meta["choices"]:
                 raise SettingsError(f"{flag_name(field.name)} {value!r}: use one of {', '.join(meta['choices'])}")
+        if self.total_batch_size < 1 and not (self.total_batch_size == -1 and self.recipe_spec.auto_batch):
+            auto = [name for name, recipe in RECIPES.items() if recipe.auto_batch]
+            raise SettingsError(f"--total-batch-size must be a positive number of tokens, got {self.total_batch_size} "
+                                f"(-1, automatic, is a setting of recipe(s) {', '.join(auto)} only)")
+        if self.warmup_steps < 0:
+            raise SettingsError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         if self.num_iterations == self.target_flops == self.target_param_data_ratio == -1:
             raise SettingsError("no training horizon: set --num-iterations, --target-flops or --target-param-data-ratio")
         if self.fp8_recipe not in FP8_RECIPES:
@@ -190,6 +215,19 @@ class RunSettings:
     @property
     def recipe_spec(self) -> Recipe:
         return RECIPES[self.recipe]
+
+    @property
+    def corpus_dir(self) -> str:
+        """--data-dir, else the recipe's corpus's directory (<base_dir>/base_data, .../base_data_climbmix)."""
+        return get_data_dir(self.data_dir, self.recipe_spec.corpus)
+
+    def recipe_has(self, name: str) -> bool:
+        """Whether this run's recipe has the setting `name` (e.g. for the report: warmup_ratio or warmup_steps)."""
+        try:
+            _check_recipe_has(self.recipe_spec, name)
+        except SettingsError:
+            return False
+        return True
 
     def model_kwargs(self) -> dict:
         """GPT keyword arguments: the JAX-only model settings (the recipe's model is GPTConfig.recipe)."""

@@ -4,7 +4,9 @@ The last shard is the validation split; all others are training. Getting shards:
 command `python -m jaxchat.dataset` (jaxchat/dataset.py, which builds on this module, not the reverse).
 """
 
+import dataclasses
 import os
+import types
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -12,15 +14,47 @@ import pyarrow.parquet as pq
 from jaxchat.common import base_dir_hint, get_base_dir
 
 CORPUS_INFO_FILE = "corpus.json"  # marks a data dir built from local text, so downloads never mix in
-GET_DATA_HINT = "run `python -m jaxchat.dataset -n 8` (FineWeb-Edu) or `python -m jaxchat.dataset --builtin` (offline)"
+GET_DATA_HINT = ("run `python -m jaxchat.dataset -n 8` (FineWeb-Edu; add --corpus climbmix for recipe 92d63d4) or "
+                 "`python -m jaxchat.dataset --builtin` (offline)")
 
 
 def shard_filename(index: int) -> str:
     return f"shard_{index:05d}.parquet"
 
 
-def get_data_dir(data_dir: str | None = None) -> str:
-    return data_dir or os.path.join(get_base_dir(), "base_data")
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """A downloadable corpus: shard_00000.parquet ... shard_<max_shard>.parquet at base_url, the last one
+    the validation split; kept in <base_dir>/<dir_name>. val_always: -n N fetches N training shards and the
+    validation shard (nanochat's dataset.py at 92d63d4), else shards 0..N-1, the last of them validation
+    (at bdcc030)."""
+
+    base_url: str
+    max_shard: int
+    dir_name: str
+    val_always: bool
+
+
+DEFAULT_CORPUS = "fineweb-edu"
+CORPORA = types.MappingProxyType({
+    # FineWeb-Edu, re-shuffled by Karpathy into 1,823 shards of ~250M characters each (nanochat bdcc030)
+    "fineweb-edu": Corpus("https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main", 1822,
+                          "base_data", val_always=False),
+    # NVIDIA's ClimbMix, re-shuffled by Karpathy into 6,543 shards (nanochat/dataset.py at 92d63d4)
+    "climbmix": Corpus("https://huggingface.co/datasets/karpathy/climbmix-400b-shuffle/resolve/main", 6542,
+                       "base_data_climbmix", val_always=True),
+})
+
+
+def get_corpus(name: str) -> Corpus:
+    if name not in CORPORA:
+        raise ValueError(f"corpus {name!r} is not known: use one of {', '.join(CORPORA)}")
+    return CORPORA[name]
+
+
+def get_data_dir(data_dir: str | None = None, corpus: str = DEFAULT_CORPUS) -> str:
+    """data_dir, else the corpus's own directory under the base dir."""
+    return data_dir or os.path.join(get_base_dir(), get_corpus(corpus).dir_name)
 
 
 class CorruptShardError(ValueError):

@@ -189,7 +189,7 @@ class StepLogger:
         self.last_done = now
         loop.smooth_train_loss = EMA_BETA * loop.smooth_train_loss + (1 - EMA_BETA) * loss
         smooth = loop.smooth_train_loss / (1 - EMA_BETA ** (s + 1))
-        total_batch_size, num_iterations = self.run.settings.total_batch_size, self.run.num_iterations
+        total_batch_size, num_iterations = self.run.total_batch_size, self.run.num_iterations
         tok_per_sec = int(total_batch_size / dt)
         flops_per_sec = self.run.flops_per_token * total_batch_size / dt
         world = self.run.mesh.devices.size
@@ -199,9 +199,10 @@ class StepLogger:
             loop.total_training_time += dt
             eta = f" | eta: {(num_iterations - s) * loop.total_training_time / timed_steps(s + 1) / 60:.1f}m"
         mfu = f"{self.mfu:.2f}" if self.mfu is not None else "n/a"
-        lrm = self.schedules["lrm"][s]
+        lrm, momentum, decay = (self.schedules[k][s] for k in ("lrm", "muon_momentum", "weight_decay"))
+        # nanochat's line, with the Muon schedules (which differ by recipe) after the lr multiplier
         print0(f"step {s:05d}/{num_iterations:05d} ({100 * s / num_iterations:.2f}%) | loss: {smooth:.6f} | "
-               f"lrm: {lrm:.2f} | dt: {dt * 1000:.2f}ms | tok/sec: {tok_per_sec:,} | mfu: {mfu} | epoch: {epoch} | "
+               f"lrm: {lrm:.2f} | mom: {momentum:.3f} | wd: {decay:.2e} | dt: {dt * 1000:.2f}ms | tok/sec: {tok_per_sec:,} | mfu: {mfu} | epoch: {epoch} | "
                f"total time: {loop.total_training_time / 60:.2f}m{eta}")
         self.curve.append((s, smooth, None))
         if s % 100 == 0:
@@ -211,8 +212,8 @@ class StepLogger:
                 "total_training_time": loop.total_training_time,
                 "train/loss": smooth,
                 "train/lrm": float(lrm),
-                "train/muon_momentum": float(self.schedules["muon_momentum"][s]),
-                "train/weight_decay": float(self.schedules["weight_decay"][s]),
+                "train/muon_momentum": float(momentum),
+                "train/weight_decay": float(decay),
                 "train/dt": dt,
                 "train/tok_per_sec": tok_per_sec,
                 "train/epoch": epoch,

@@ -59,7 +59,7 @@ Le gardien du phare tenait un journal : la direction du vent, l'état de la mer,
 def split_sample(split: str, min_chars: int = 1_000_000) -> str:
     """The first row groups of a split, up to about min_chars: enough for a stable ratio, quick to encode."""
     docs, num_chars = [], 0
-    for path, row_group in list_row_groups(split):
+    for path, row_group in list_row_groups(split, args.data_dir):
         new_docs = read_row_group(path, row_group)
         docs += new_docs
         num_chars += sum(map(len, new_docs))
@@ -67,6 +67,15 @@ def split_sample(split: str, min_chars: int = 1_000_000) -> str:
             break
     return "\n".join(docs)
 
+
+parser = argparse.ArgumentParser(description="Compression of the trained tokenizer, in bytes per token")
+parser.add_argument("--no-compare", action="store_true",
+                    help="leave out GPT-2's and GPT-4's tokenizers (tiktoken downloads them on first use)")
+parser.add_argument("--download-timeout", type=float, default=10.0,
+                    help="seconds to wait for those downloads before skipping the comparison (default 10)")
+parser.add_argument("--data-dir", default=None, help="parquet shards (default: <base_dir>/base_data; recipe "
+                    "92d63d4's ClimbMix: <base_dir>/base_data_climbmix)")
+args = parser.parse_args()
 
 texts = {
     "train": split_sample("train"),
@@ -76,13 +85,6 @@ texts = {
     "numbers": NUMBERS,
     "non-English": NON_ENGLISH,
 }
-
-parser = argparse.ArgumentParser(description="Compression of the trained tokenizer, in bytes per token")
-parser.add_argument("--no-compare", action="store_true",
-                    help="leave out GPT-2's and GPT-4's tokenizers (tiktoken downloads them on first use)")
-parser.add_argument("--download-timeout", type=float, default=10.0,
-                    help="seconds to wait for those downloads before skipping the comparison (default 10)")
-args = parser.parse_args()
 
 ours = get_tokenizer()
 encoders = {"ours": ours.encode}

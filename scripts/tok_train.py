@@ -18,6 +18,8 @@ parser.add_argument("--max-chars", type=int, default=10_000_000_000, help="stop 
 parser.add_argument("--doc-cap", type=int, default=10_000, help="use at most this many characters of a document")
 parser.add_argument("--vocab-size", type=int, default=65536,
                     help=f"tokens in all: 256 bytes + merges + {len(SPECIAL_TOKENS)} special tokens")
+parser.add_argument("--data-dir", default=None, help="parquet shards to train on (default: <base_dir>/base_data; "
+                    "recipe 92d63d4's ClimbMix: <base_dir>/base_data_climbmix)")
 args = parser.parse_args()
 print(f"max_chars: {args.max_chars:,}  doc_cap: {args.doc_cap:,}  vocab_size: {args.vocab_size:,}")
 
@@ -43,7 +45,7 @@ def text_iterator(row_groups: list[tuple[str, int]], progress: Progress) -> Iter
     progress.line(f"read all {len(shard_number)} training shards: {num_docs:,} documents, {num_chars:,} characters")
 
 
-row_groups = list_row_groups("train")
+row_groups = list_row_groups("train", args.data_dir)
 progress = Progress()
 t0 = time.time()
 tokenizer = Tokenizer.train_from_iterator(text_iterator(row_groups, progress), args.vocab_size)

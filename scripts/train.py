@@ -165,7 +165,7 @@ def make_loaders(settings: RunSettings, run: Run, tokenizer: Tokenizer) -> tuple
     local_rows = settings.device_batch_size * sum(d.process_index == where[0] for d in run.mesh.devices.flat)
     try:
         train_loader = make_train_loader(tokenizer, local_rows, settings.max_seq_len, run.grad_accum_steps, *where,
-                                         data_dir=settings.data_dir, workers=settings.loader_workers)
+                                         data_dir=settings.corpus_dir, workers=settings.loader_workers)
     except (FileNotFoundError, ValueError) as e:
         fail(str(e))
     eval_steps = settings.eval_tokens // run.tokens_per_micro_batch
@@ -175,7 +175,7 @@ def make_loaders(settings: RunSettings, run: Run, tokenizer: Tokenizer) -> tuple
 
     def val_loader():
         return make_val_loader(tokenizer, local_rows, settings.max_seq_len, *where, steps=eval_steps,
-                               data_dir=settings.data_dir, workers=settings.loader_workers)
+                               data_dir=settings.corpus_dir, workers=settings.loader_workers)
 
     return train_loader, val_loader, eval_steps
 
@@ -349,10 +349,13 @@ def finish(s: Session) -> None:
                 Label.PARAMETERS: run.num_params,
                 "Number of FLOPs per token": f"{run.flops_per_token:e}",
                 "Calculated number of iterations": run.num_iterations,
-                Label.TRAINING_TOKENS: settings.total_batch_size * run.num_iterations,
-                Label.TOKENS_PER_PARAM: settings.total_batch_size * run.num_iterations / run.num_params,
+                Label.TRAINING_TOKENS: run.total_batch_size * run.num_iterations,
+                Label.TOKENS_PER_PARAM: run.total_batch_size * run.num_iterations / run.num_params,
                 Label.DEVICES: f"{run.mesh.devices.size} x {run.mesh.devices.flat[0].device_kind}",
-                "warmup_ratio": settings.warmup_ratio,
+                "Recipe": f"{settings.recipe} (nanochat {settings.recipe_spec.nanochat_commit})",
+                "Total batch size": run.total_batch_size,
+                **{name: getattr(settings, name) for name in ("warmup_ratio", "warmup_steps")
+                   if settings.recipe_has(name)},
                 "warmdown_ratio": settings.warmdown_ratio,
                 "final_lr_frac": settings.final_lr_frac,
             },
@@ -363,7 +366,7 @@ def finish(s: Session) -> None:
                 Label.MFU: f"{mfu:.2f}%" if mfu is not None else "n/a",
                 "Total training flops": f"{run.training_flops(loop.step):e}",
                 Label.TRAINING_TIME: f"{loop.total_training_time / 60:.2f}m",
-                Label.TOK_PER_SEC: round(settings.total_batch_size * timed / loop.total_training_time)
+                Label.TOK_PER_SEC: round(run.total_batch_size * timed / loop.total_training_time)
                 if timed > 0 and loop.total_training_time > 0 else "n/a",
                 Label.PEAK_MEMORY: f"{peak_memory / 1024 / 1024:.2f}MiB" if peak_memory else "n/a",
             },

@@ -78,6 +78,17 @@ def ref_muon_step(w, g, m, s2, lr, beta, beta2, wd, rnd=exact):
     return w - (rnd(lr_eff * x) + rnd(lr_eff * rnd(wd)) * w * mask), m, s2
 
 
+def ref_lr_multiplier(it, num_iterations, warmup_iters, warmdown_ratio, final_lr_frac):
+    """base_train.py's get_lr_multiplier (warmup_iters: bdcc030's round(warmup_ratio·N), 92d63d4's --warmup-steps)."""
+    warmdown_iters = round(warmdown_ratio * num_iterations)
+    if it < warmup_iters:
+        return (it + 1) / warmup_iters
+    if it <= num_iterations - warmdown_iters:
+        return 1.0
+    progress = (num_iterations - it) / warmdown_iters
+    return progress * 1.0 + (1 - progress) * final_lr_frac
+
+
 def ref_second_moment(rows: int, cols: int) -> np.ndarray:
     return np.zeros((rows, 1) if rows >= cols else (1, cols))
 

@@ -233,6 +233,39 @@ def test_failures_are_reported_per_file_and_by_the_command(server, tmp_path, mon
     assert list_parquet_files(str(tmp_path))[-1].endswith(shard_filename(2))
 
 
+def test_climbmix_layout_fetches_n_training_shards_and_always_its_validation_shard(tmp_path, monkeypatch, capsys):
+    """nanochat/dataset.py at 92d63d4: shard_00000 ... shard_06542.parquet, the last the validation split,
+    fetched whatever -n is; kept in <base_dir>/base_data_climbmix, apart from FineWeb-Edu's base_data."""
+    server = ShardServer(num_shards=4)
+    server.files[shard_filename(6542)] = parquet_bytes(["the validation document"])
+    try:
+        monkeypatch.setenv("JAXCHAT_BASE_DIR", str(tmp_path))
+        monkeypatch.setenv("JAXCHAT_DATA_URL", server.url)
+        dataset.main(["-n", "2", "--corpus", "climbmix"])
+        data_dir = tmp_path / "base_data_climbmix"
+        assert sorted(os.listdir(data_dir)) == ["shard_00000.parquet", "shard_00001.parquet", "shard_06542.parquet"]
+        assert sorted(server.requests) == ["shard_00000.parquet", "shard_00001.parquet", "shard_06542.parquet"]
+        assert parquet_paths_for_split("val", str(data_dir)) == [str(data_dir / "shard_06542.parquet")]
+        assert read_row_group(str(data_dir / "shard_06542.parquet"), 0) == ["the validation document"]
+        assert "done: 3/3 shards" in capsys.readouterr().out
+        assert not (tmp_path / "base_data").exists()  # FineWeb-Edu's directory is untouched
+    finally:
+        server.close()
+    # -1: every training shard and the validation shard; FineWeb-Edu's -n N stays shards 0..N-1
+    assert download.shards_to_fetch(-1, "climbmix") == [*range(6542), 6542]
+    assert download.shards_to_fetch(9000, "climbmix")[-2:] == [6541, 6542]
+    assert download.shards_to_fetch(3) == [0, 1, 2] and download.shards_to_fetch(-1)[-1] == 1822
+
+
+def test_a_recipe_trains_on_its_corpus_by_default(tmp_path, monkeypatch):
+    from jaxchat.settings import RunSettings
+
+    monkeypatch.setenv("JAXCHAT_BASE_DIR", str(tmp_path))
+    assert RunSettings().corpus_dir == str(tmp_path / "base_data")
+    assert RunSettings.for_recipe("92d63d4").corpus_dir == str(tmp_path / "base_data_climbmix")
+    assert RunSettings.for_recipe("92d63d4", data_dir="/my/text").corpus_dir == "/my/text"  # local text: either recipe
+
+
 def test_downloads_refuse_a_local_corpus_directory(server, tmp_path):
     (tmp_path / CORPUS_INFO_FILE).write_text("{}")
     with pytest.raises(ValueError, match="local text"):

@@ -19,7 +19,7 @@ from jaxchat import checkpoint as ckpt
 from jaxchat.engine import Engine
 from jaxchat.gpt import GPT, GPTConfig, count_params
 from jaxchat.interop import META_KEYS_OF_RECIPE, to_nanochat_state_dict
-from jaxchat.optim import ParamLayout, setup_optimizer
+from jaxchat.optim import Horizon, ParamLayout, setup_optimizer
 from jaxchat.tokenizer import Tokenizer
 from scripts.export import export_checkpoint, export_to_nanochat, import_weights
 
@@ -205,7 +205,8 @@ def test_new_parameters_go_to_nanochats_groups_and_train():
     assert labels["value_embeds/0/embedding"] == labels["value_embeds/2/embedding"] == "value_embeds"
     assert labels["blocks/0/attn/ve_gate/kernel"] == "muon"
     assert labels["smear_gate/kernel"] == labels["smear_lambda"] == labels["backout_lambda"] == "smear"
-    optimizer = setup_optimizer(params, model_dim=32, depth=3, num_iterations=10, total_batch_size=2**19)
+    optimizer = setup_optimizer(params, model_dim=32, depth=3, num_iterations=10, total_batch_size=2**19,
+                                recipe="92d63d4", horizon=Horizon(10 * 2**19, 10 * 2**19))
     assert optimizer.learning_rates["value_embeds"] == pytest.approx(optimizer.learning_rates["wte"] / 2)
     idx = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, size=(2, 32)))
     graphdef, _ = nnx.split(model)

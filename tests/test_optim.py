@@ -22,7 +22,7 @@ from jaxchat.optim import (
     setup_optimizer,
     weight_decay_at,
 )
-from nanochat_numpy import BF16_MIN_COSINE, BF16_REL_TOL, cosine, ref_muon_step, ref_second_moment, rel_err, torch_matrices
+from nanochat_numpy import BF16_MIN_COSINE, BF16_REL_TOL, cosine, ref_lr_multiplier, ref_muon_step, ref_second_moment, rel_err, torch_matrices
 
 TINY = GPTConfig(sequence_len=32, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
 
@@ -43,7 +43,7 @@ def names(params):
 # ---- schedules at their boundaries -----------------------------------------------------------------
 def test_lr_multiplier_boundaries():
     # N = 1000, warmup round(0.05 N) = 50, warmdown round(0.4 N) = 400, final 0.1
-    lrm = lambda step: float(lr_multiplier(step, 1000, 0.05, 0.4, 0.1))
+    lrm = lambda step: float(lr_multiplier(step, 1000, 50, 0.4, 0.1))
     assert lrm(0) == pytest.approx(1 / 50)
     assert lrm(49) == pytest.approx(1.0)  # last warmup step: (49+1)/50
     assert lrm(50) == pytest.approx(1.0)
@@ -52,11 +52,11 @@ def test_lr_multiplier_boundaries():
     assert lrm(999) == pytest.approx(1 / 400 + (399 / 400) * 0.1)  # last step
     assert lrm(1000) == pytest.approx(0.1)
     # no warmup: 1.0 from step 0; round() is Python's (half to even): round(0.025 * 100) = 2
-    assert float(lr_multiplier(0, 100, 0.0, 0.025, 0.0)) == 1.0
-    assert float(lr_multiplier(98, 100, 0.0, 0.025, 0.0)) == 1.0
-    assert float(lr_multiplier(99, 100, 0.0, 0.025, 0.0)) == pytest.approx(0.5)
+    assert float(lr_multiplier(0, 100, 0, 0.025, 0.0)) == 1.0
+    assert float(lr_multiplier(98, 100, 0, 0.025, 0.0)) == 1.0
+    assert float(lr_multiplier(99, 100, 0, 0.025, 0.0)) == pytest.approx(0.5)
     # no warmdown: 1.0 to the end
-    assert float(lr_multiplier(100, 100, 0.0, 0.0, 0.0)) == 1.0
+    assert float(lr_multiplier(100, 100, 0, 0.0, 0.0)) == 1.0
 
 
 def test_muon_momentum_and_weight_decay_boundaries():
@@ -72,8 +72,8 @@ def test_muon_momentum_and_weight_decay_boundaries():
 
 def test_schedules_trace():
     steps = jnp.arange(0, 1001, 37)
-    traced = jax.jit(jax.vmap(lambda s: lr_multiplier(s, 1000, 0.05, 0.4, 0.1)))(steps)
-    eager = [float(lr_multiplier(int(s), 1000, 0.05, 0.4, 0.1)) for s in steps]
+    traced = jax.jit(jax.vmap(lambda s: lr_multiplier(s, 1000, 50, 0.4, 0.1)))(steps)
+    eager = [float(lr_multiplier(int(s), 1000, 50, 0.4, 0.1)) for s in steps]
     np.testing.assert_allclose(np.asarray(traced), eager, rtol=1e-6)
 
 
@@ -117,8 +117,12 @@ def test_every_parameter_of_the_gpt_gets_its_group():
 
 
 def test_unlabelled_parameter_is_an_error_that_names_it():
-    params = {"wte": {"embedding": jnp.zeros((8, 4))}, "router": {"0": jnp.zeros((8, 4))}}
-    with pytest.raises(ValueError, match="router/0"):
+    params = {"wte": {"embedding": jnp.zeros((8, 4))}, "extra_embeds": {"0": jnp.zeros((8, 4))}}
+    with pytest.raises(ValueError, match="extra_embeds/0"):
+        setup_optimizer(params, model_dim=4, depth=1, num_iterations=10, total_batch_size=2**19)
+    # a group of the other recipe's model: bdcc030 has no value embeddings
+    params = {"wte": {"embedding": jnp.zeros((8, 4))}, "value_embeds": {"0": jnp.zeros((8, 4))}}
+    with pytest.raises(ValueError, match="recipe bdcc030 has no AdamW group 'value_embeds'"):
         setup_optimizer(params, model_dim=4, depth=1, num_iterations=10, total_batch_size=2**19)
     # a vector inside the blocks is not a matrix for Muon either
     with pytest.raises(ValueError, match="blocks/0/norm/scale"):
@@ -132,18 +136,6 @@ def test_negative_learning_rates_are_refused():
 
 
 # ---- AdamW and Muon groups against float64 references ----------------------------------------------
-def ref_lr_multiplier(it, num_iterations, warmup_ratio, warmdown_ratio, final_lr_frac):
-    """base_train.py's get_lr_multiplier."""
-    warmup_iters = round(warmup_ratio * num_iterations)
-    warmdown_iters = round(warmdown_ratio * num_iterations)
-    if it < warmup_iters:
-        return (it + 1) / warmup_iters
-    if it <= num_iterations - warmdown_iters:
-        return 1.0
-    progress = (num_iterations - it) / warmdown_iters
-    return progress * 1.0 + (1 - progress) * final_lr_frac
-
-
 def ref_adamw_step(p, g, m, v, t, lr, b1, b2, eps=1e-10):
     """torch.optim.AdamW with weight_decay 0; t counts from 1."""
     m = b1 * m + (1 - b1) * g
@@ -179,7 +171,7 @@ def test_groups_match_references_with_their_own_learning_rates():
         grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32), params)
         updates, state = update(grads, state, params)
         params = optax.apply_updates(params, updates)
-        lrm = ref_lr_multiplier(t, N, warmup, warmdown, final)
+        lrm = ref_lr_multiplier(t, N, round(warmup * N), warmdown, final)
         beta = (1 - min(t / 300, 1)) * 0.85 + min(t / 300, 1) * 0.95
         for name, g in zip(leaf_names, jax.tree.leaves(grads)):
             g = np.asarray(g, np.float64)

@@ -76,7 +76,7 @@ def test_library_keyword_defaults_are_the_settings():
     """setup_optimizer, GPTConfig.from_depth and make_train_loader keep keyword defaults for library callers:
     they must be the settings' (a test, so that a default changed in one place fails here, not drifts)."""
     optimizer_defaults = {name: p.default for name, p in inspect.signature(setup_optimizer).parameters.items()
-                          if p.default is not inspect.Parameter.empty and name not in ("mesh", "print_fn")}
+                          if p.default is not inspect.Parameter.empty and name not in ("mesh", "print_fn", "horizon")}
     defaults = RunSettings()
     expected = {name: getattr(defaults, name) for name in optimizer_defaults if name != "adam_betas"}
     expected["adam_betas"] = (defaults.adam_beta1, defaults.adam_beta2)
