@@ -20,6 +20,7 @@ import time
 import jax
 import numpy as np
 
+from jaxchat.gpt import count_params
 from jaxchat.hlo import collective_summary, custom_call_census, hlo_collectives
 from jaxchat.mesh import make_mesh
 from jaxchat.run import Run, RunSettings, abstract_batch, build_run
@@ -119,10 +120,11 @@ def abstract_step(settings: RunSettings, vocab_size: int, mesh) -> tuple[Run, ob
     return run, run.train_step(), args
 
 
-def zero1_minimum_bytes(num_params: int, num_devices: int) -> float:
+def zero1_minimum_bytes(params, num_devices: int) -> float:
     """What ZeRO-1 must move per device and step: a reduce-scatter of the float32 gradients and an
-    all-gather of the float32 parameters, (n-1)/n of the whole each (the ring convention)."""
-    return 2 * (num_devices - 1) / num_devices * 4 * num_params
+    all-gather of the float32 parameters, (n-1)/n of the whole each (the ring convention). Every
+    parameter counts: not the recipe's scaling count (92d63d4's leaves out the embeddings)."""
+    return 2 * (num_devices - 1) / num_devices * 4 * count_params(params)
 
 
 def partitioned_hlo(lowered) -> tuple[str, str]:
@@ -185,7 +187,7 @@ def compile_for_target(settings: RunSettings, vocab_size: int, num_devices: int,
               "kernels": custom_call_census(hlo), "collectives": collective_summary(found),
               "lower_s": lower_s, "compile_s": compile_s, "hlo": hlo}
     if num_devices > 1:
-        minimum = zero1_minimum_bytes(run.num_params, num_devices)
+        minimum = zero1_minimum_bytes(run.state.params, num_devices)
         result.update(zero1_minimum_gib=minimum / gib,
                       moved_over_minimum=sum(c["moved"] for c in found) / minimum)
     return result

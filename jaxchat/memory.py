@@ -113,17 +113,17 @@ def memory_estimate(settings: RunSettings, vocab_size: int, num_devices: int = 1
         "notes": notes,
     }
     if num_devices > 1:
-        result.update(_collectives(settings, vocab_size, num_devices, run.num_params))
+        result.update(_collectives(settings, vocab_size, num_devices, run.state.params))
     return result
 
 
-def _collectives(settings: RunSettings, vocab_size: int, num_devices: int, num_params: int) -> dict:
+def _collectives(settings: RunSettings, vocab_size: int, num_devices: int, params) -> dict:
     """The step compiled on num_devices CPU devices: its collectives against ZeRO-1's minimum. cuDNN
     attention cannot compile on a CPU; attention has no collectives in this layout, so the XLA path
     stands in for it."""
     _, step, args = abstract_step(dataclasses.replace(settings, attention="xla"), vocab_size, make_mesh(num_devices))
     hlo, source = partitioned_hlo(step.trace(*args).lower())
     summary = collective_summary(hlo_collectives(hlo, num_devices))
-    minimum = zero1_minimum_bytes(num_params, num_devices)
+    minimum = zero1_minimum_bytes(params, num_devices)
     return {"collectives": summary, "collectives_source": source, "zero1_minimum_gib": minimum / 2**30,
             "moved_over_minimum": summary[-1]["moved_gib"] * 2**30 / minimum}
