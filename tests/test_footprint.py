@@ -39,7 +39,7 @@ def test_build_run_with_auto_on_a_small_budget_picks_none_and_records_both():
     lines = []
     settings = RunSettings(depth=4, max_seq_len=512, device_batch_size=4, total_batch_size=2048, num_iterations=2,
                            num_devices=1)
-    assert settings.remat == "auto"  # the default
+    assert settings.remat == RunSettings.for_recipe("92d63d4").remat == "auto"  # the default of both recipes
     run = build_run(settings, 8192, print_fn=lines.append, memory_budget=(2 * GIB, "test"))
     assert run.settings.remat == "none" and run.state.graphdef is not None
     assert run.settings.user_config()["remat"] == "none" and run.settings.user_config()["remat_asked"] == "auto"
