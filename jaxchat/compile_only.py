@@ -11,15 +11,14 @@ so the memory and the program are real and speed is not measured this way.
 
 import contextlib
 import dataclasses
-import math
 import os
 import re
 import tempfile
 import time
 
 import jax
-import numpy as np
 
+from jaxchat.footprint import per_device_bytes
 from jaxchat.gpt import count_params
 from jaxchat.hlo import collective_summary, custom_call_census, hlo_collectives
 from jaxchat.mesh import make_mesh
@@ -102,19 +101,15 @@ def with_shardings(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def per_device_bytes(tree, shardings) -> int:
-    """Bytes one device holds of a tree of ShapeDtypeStructs laid out by these shardings."""
-    sizes = jax.tree.map(lambda x, s: math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize, tree, shardings)
-    return sum(jax.tree.leaves(sizes))
-
-
-def abstract_step(settings: RunSettings, vocab_size: int, mesh) -> tuple[Run, object, tuple]:
+def abstract_step(settings: RunSettings, vocab_size: int, mesh, *,
+                  memory_budget: tuple[int, str] | None = None) -> tuple[Run, object, tuple]:
     """The run of these settings (one micro-step per step), its jitted step and the step's abstract
-    arguments (ShapeDtypeStructs carrying their shardings)."""
+    arguments (ShapeDtypeStructs carrying their shardings). memory_budget: (bytes, where from) of the
+    device that --remat auto decides for, where it is not this machine's (build_run)."""
     world = mesh.devices.size
     settings = dataclasses.replace(settings, num_iterations=1000, num_devices=world,
                                    total_batch_size=settings.device_batch_size * settings.max_seq_len * world)
-    run = build_run(settings, vocab_size, mesh=mesh)
+    run = build_run(settings, vocab_size, mesh=mesh, memory_budget=memory_budget)
     args = (with_shardings(run.state.params, run.state.param_shardings),
             with_shardings(run.state.opt_state, run.state.opt_shardings), *abstract_batch(run))
     return run, run.train_step(), args
@@ -162,7 +157,8 @@ def compile_for_target(settings: RunSettings, vocab_size: int, num_devices: int,
     mesh = make_mesh(devices=target_devices(num_devices, target))
     start = time.perf_counter()
     with cudnn_without_gpu():
-        run, step, args = abstract_step(settings, vocab_size, mesh)
+        run, step, args = abstract_step(settings, vocab_size, mesh,
+                                        memory_budget=(target_pool_bytes(target), f"{target}'s pool"))
         lowered = step.trace(*args).lower()
     lower_s = time.perf_counter() - start
     start = time.perf_counter()

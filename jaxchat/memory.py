@@ -8,34 +8,15 @@ devices. `scripts.bench memory` prints it; jaxchat.compile_only gives XLA's own 
 
 import dataclasses
 import math
-import re
 
-import jax
-import jax.numpy as jnp
-from flax import nnx
 
 from jaxchat.compile_only import (ASSUMED_COMPUTE_CAPABILITY, ASSUMED_CUDNN_VERSION, abstract_step, cudnn_without_gpu,
-                                  partitioned_hlo, per_device_bytes, zero1_minimum_bytes)
+                                  partitioned_hlo, zero1_minimum_bytes)
+from jaxchat.footprint import model_kept_activations, state_bytes
 from jaxchat.hlo import collective_summary, hlo_collectives, stablehlo_tensors
 from jaxchat.mesh import make_mesh
 from jaxchat.run import RunSettings
 from jaxchat.runtime import GPU_MEMORY_FRACTION
-from jaxchat.trainer import abstract_model
-
-
-def kept_activations(fn, *args) -> list[dict]:
-    """What the backward pass of fn keeps from its forward pass (JAX's saved residuals), largest first,
-    less fn's arguments themselves (parameters and batch exist anyway). Each: bytes, dtype, shape, source."""
-    from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved_residuals, which prints the list
-
-    kept = []
-    for aval, source in saved_residuals(fn, *args):
-        if source.startswith("from the argument"):
-            continue
-        source = re.sub(r"\S*/([\w.]+\.py)", r"\1", source)  # file names without their directories
-        kept.append({"bytes": math.prod(aval.shape) * aval.dtype.itemsize, "dtype": str(aval.dtype),
-                     "shape": tuple(aval.shape), "source": source})
-    return sorted(kept, key=lambda r: -r["bytes"])
 
 
 def group_kept(kept: list[dict], top: int) -> list[dict]:
@@ -72,19 +53,14 @@ def memory_estimate(settings: RunSettings, vocab_size: int, num_devices: int = 1
     with cudnn_without_gpu() as gate:
         attention, notes = _gate_notes(attention, gate)
         settings = dataclasses.replace(settings, attention=attention, compute_dtype="bfloat16")
-        run, _, _ = abstract_step(settings, vocab_size, make_mesh(num_devices))
-        config, state = run.config, run.state
-        params = per_device_bytes(state.params, state.param_shardings)
-        optimizer = per_device_bytes(state.opt_state, state.opt_shardings)
-        # make_train_step's float32 accumulator: the parameters' layout with FSDP, whole on each device with ZeRO-1
-        # (it is reduce-scattered once per step); one micro-step's gradients at most as much again
-        f32_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), state.params)
-        grad_sum = per_device_bytes(f32_params, state.param_shardings)
+        pool = (int(float(GPU_MEMORY_FRACTION) * device_gib * 2**30), f"{GPU_MEMORY_FRACTION} of {device_gib:g} GiB")
+        run, _, _ = abstract_step(settings, vocab_size, make_mesh(num_devices), memory_budget=pool)
+        settings, config, state = run.settings, run.config, run.state  # remat resolved where auto was asked
+        held = state_bytes(state)
 
         # the activations kept for the backward pass of one device's micro-batch
-        graphdef, abstract_params = nnx.split(abstract_model(config, **settings.model_kwargs()))
-        tokens = jax.ShapeDtypeStruct((settings.device_batch_size, settings.max_seq_len), jnp.int32)
-        kept = kept_activations(lambda p, x, y: nnx.merge(graphdef, p)(x, y), abstract_params, tokens, tokens)
+        kept = model_kept_activations(config, settings.device_batch_size, settings.max_seq_len,
+                                      **settings.model_kwargs())
         activations = sum(r["bytes"] for r in kept)
 
         # the step of one device's share, lowered for CUDA: its largest tensors
@@ -95,11 +71,10 @@ def memory_estimate(settings: RunSettings, vocab_size: int, num_devices: int = 1
     full_logits = [t for t in lowered if t["dtype"] == "f32" and math.prod(t["shape"]) >= logits_numel
                    and {vocab_size, config.padded_vocab_size} & set(t["shape"])]
 
-    total = params + optimizer + 2 * grad_sum + activations
+    total = sum(held.values()) + activations
     gib = 2**30
     budget = [{"what": what, "gib": value / gib} for what, value in (
-        ("parameters", params), ("optimizer state", optimizer), ("gradient accumulator", grad_sum),
-        ("micro-step gradients (upper bound)", grad_sum), ("kept activations", activations), ("total", total))]
+        *held.items(), ("kept activations", activations), ("total", total))]
     result = {
         "config": f"d{settings.depth} T{settings.max_seq_len} B{settings.device_batch_size} V{vocab_size} "
                   f"{settings.window_pattern} x{num_devices}" + (" fsdp" if settings.fsdp else "")

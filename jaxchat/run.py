@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxchat.footprint import XLA_MARGIN, choose_remat, device_budget, model_kept_activations, remat_needs, state_bytes
 from jaxchat.gpt import GPTConfig, count_params, use_fp8
 from jaxchat.mesh import batch_sharding, make_mesh
 from jaxchat.optim import Horizon, Optimizer, auto_total_batch_size, optimizer_recipe, setup_optimizer
@@ -137,11 +138,15 @@ def training_horizon(settings: RunSettings, num_params: int, flops_per_token: in
 
 
 def build_run(settings: RunSettings, vocab_size: int, *, mesh: Mesh | None = None, layout: Layout | None = None,
-              print_fn: Callable[[str], None] | None = None) -> Run:
+              print_fn: Callable[[str], None] | None = None, memory_budget: tuple[int, str] | None = None) -> Run:
     """Everything but the arrays: they are allocated by run.init_state() or a checkpoint restore. The settings
     were checked when built; layout: the script's (else made here, on `mesh` or settings.num_devices).
-    print_fn (e.g. print0) prints nanochat's preamble lines. Raises SettingsError."""
+    print_fn (e.g. print0) prints nanochat's preamble lines. memory_budget: (bytes, where from) of the device
+    --remat auto decides for (default: the mesh's, jaxchat.footprint.device_budget). Raises SettingsError."""
     say = print_fn or (lambda _: None)
+    asked_auto = settings.remat == "auto"
+    if asked_auto:  # a stand-in until resolve_remat: what the blocks keep changes no shape of the state
+        settings = dataclasses.replace(settings, remat="none")
     layout = layout or make_layout(settings, mesh)
     config = model_config(settings, vocab_size)
     say(f"num_layers: {config.n_layer}")
@@ -186,8 +191,40 @@ def build_run(settings: RunSettings, vocab_size: int, *, mesh: Mesh | None = Non
     except ValueError as e:
         raise SettingsError(str(e)) from None
     state = abstract_train_state(config, optimizer, mesh, fsdp=settings.fsdp, seed=settings.seed, **model_kwargs)
+    if asked_auto:
+        settings = resolve_remat(settings, config, state, memory_budget or _mesh_budget(mesh), say)
+        if settings.remat != "none":
+            state = abstract_train_state(config, optimizer, mesh, fsdp=settings.fsdp, seed=settings.seed,
+                                         **settings.model_kwargs())
     return Run(settings, config, mesh, layout.grad_accum_steps, total_batch_size, num_iterations, num_params,
                flops_per_token, optimizer, state)
+
+
+def _mesh_budget(mesh: Mesh) -> tuple[int, str]:
+    """The budget of this process's first device in the mesh."""
+    return device_budget(next(d for d in mesh.devices.flat if d.process_index == jax.process_index()))
+
+
+def resolve_remat(settings: RunSettings, config: GPTConfig, state: TrainState, memory_budget: tuple[int, str],
+                  say: Callable[[str], None]) -> RunSettings:
+    """--remat auto, before anything compiles: the cheapest policy whose estimated per-device memory (the
+    state's bytes and the kept activations of one micro-batch, jaxchat.footprint) fits memory_budget (bytes, where
+    from), with XLA_MARGIN of its budget to spare. Says the choice and the estimate in one line;
+    the settings returned run that policy and record that 'auto' asked for it."""
+    budget, source = memory_budget
+    state_total = sum(state_bytes(state).values())
+
+    def kept_bytes(policy: str) -> int:
+        kwargs = dataclasses.replace(settings, remat=policy).model_kwargs()
+        kept = model_kept_activations(config, settings.device_batch_size, settings.max_seq_len, **kwargs)
+        return sum(r["bytes"] for r in kept)
+
+    policy, need, fits = choose_remat(remat_needs(state_total, kept_bytes), budget)
+    gib = 2**30
+    say(f"remat auto: {policy} (estimate {need / gib:.2f} GiB per device: state {state_total / gib:.2f} + kept "
+        f"activations {(need - state_total) / gib:.2f}; {'fits' if fits else 'does NOT fit, even so,'} "
+        f"{1 - XLA_MARGIN:.0%} of {budget / gib:.2f} GiB, {source})")
+    return dataclasses.replace(settings, remat=policy, remat_asked="auto")
 
 
 def abstract_batch(run: Run) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:

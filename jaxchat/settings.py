@@ -159,13 +159,15 @@ class RunSettings:
     attention: str = setting("auto", "attention kernel (auto: cudnn on NVIDIA GPUs, xla elsewhere)", "JAX",
                              nanochat=False, choices=("auto", "cudnn", "xla"))
     loader_workers: int = setting(4, "threads reading and tokenising data", "JAX", nanochat=False)
-    remat: str = setting("dots", "what each block keeps for the backward pass: everything, matmul outputs, or its "
-                         "input only (dots: d20 at device batch 32 fits 80 GB)", "JAX", nanochat=False,
-                         choices=tuple(REMAT_POLICIES))
+    remat: str = setting("auto", "what each block keeps for the backward pass: everything, matmul outputs, or its "
+                         "input only (auto: the first of none, dots, block whose estimated memory fits the device, "
+                         "jaxchat.footprint)", "JAX", nanochat=False, choices=("auto", *REMAT_POLICIES))
     loss_chunk_len: int = setting(128, "positions per chunk of the loss head (float32 logits of one chunk at a "
                                   "time)", "JAX", nanochat=False, positive=True)
     # library callers only (the benchmarks): None is bfloat16 on accelerators, float32 on CPU
     compute_dtype: str | None = setting(None, "compute dtype of the model", "JAX", nanochat=False, cli=False)
+    # set by jaxchat.run.build_run when it resolves --remat auto: what was asked, beside what runs (remat)
+    remat_asked: str | None = setting(None, "the --remat asked when it was resolved", "JAX", nanochat=False, cli=False)
 
     def __post_init__(self):
         self.check()
@@ -244,7 +246,10 @@ class RunSettings:
 
     def user_config(self) -> dict:
         """The command-line settings by name: what a run logs (wandb, checkpoint meta, report)."""
-        return {f.name: getattr(self, f.name) for f in cli_fields()}
+        config = {f.name: getattr(self, f.name) for f in cli_fields()}
+        if self.remat_asked is not None:  # --remat auto, resolved: remat is the policy that ran
+            config["remat_asked"] = self.remat_asked
+        return config
 
 
 # ---- the command line, generated --------------------------------------------------------------------

@@ -114,7 +114,7 @@ def time_train_step(settings: RunSettings, vocab_size: int, *, grad_accum: int =
     memory, memory_kind = peak_memory_bytes(jax.local_devices())
     return {
         "config": f"d{settings.depth} T{settings.max_seq_len} B{settings.device_batch_size}x{world}x{grad_accum} "
-                  f"V{vocab_size} {settings.window_pattern} remat={settings.remat}" + (" fsdp" if settings.fsdp else ""),
+                  f"V{vocab_size} {settings.window_pattern} remat={run.settings.remat}" + (" fsdp" if settings.fsdp else ""),
         "params": sum(x.size for x in jax.tree.leaves(params)),
         "device": f"{world}x {device.device_kind}",
         "compile_s": compile_s,

@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     train.add_argument("--fsdp", action="store_true")
     train.add_argument("--attention", choices=["cudnn", "xla"], default=None)
     train.add_argument("--steps", type=int, default=10, help="timed steps after one warm-up step")
-    train.add_argument("--remat", nargs="+", choices=list(REMAT_POLICIES), default=[DEFAULTS.remat],
+    train.add_argument("--remat", nargs="+", choices=["auto", *REMAT_POLICIES], default=[DEFAULTS.remat],
                        help="one row per policy (default: scripts.train's)")
     checkpoint = sub.add_parser("checkpoint", help="async against blocking checkpoint saves; sizes")
     checkpoint.add_argument("--depth", type=int, default=4)
@@ -375,7 +375,8 @@ def main(argv: list[str] | None = None) -> None:
     memory.add_argument("--devices", type=int, default=1, help="devices of the data axis; >1 also compiles the step "
                         "on that many virtual CPU devices and lists its collectives")
     memory.add_argument("--fsdp", action="store_true")
-    memory.add_argument("--remat", choices=list(REMAT_POLICIES), default=DEFAULTS.remat, help="(default: scripts.train's)")
+    memory.add_argument("--remat", choices=list(REMAT_POLICIES), default="dots",
+                        help="an explicit policy (scripts.train's default, auto, decides on the device itself)")
     memory.add_argument("--attention", choices=["cudnn", "xla"], default="cudnn")
     memory.add_argument("--device-gb", type=float, default=80.0, help="device memory to compare with, GiB")
     args = parser.parse_args(argv)

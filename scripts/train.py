@@ -216,7 +216,7 @@ def setup(settings: RunSettings, gpu_defaults_set: list[str] | None) -> Session:
         state = run.init_state()
         if settings.init_from:  # the weights only: the optimizer state just made, step 0, the data from its start
             state.params = load_init_params(settings.init_from, run.config, state.params, state.param_shardings,
-                                            tokenizer, **settings.model_kwargs())
+                                            tokenizer, **run.settings.model_kwargs())
         loop = LoopState()
     # What a step line prints: the optimizer's own schedules, computed once for every step
     schedules = run.optimizer.schedules_at(np.arange(run.num_iterations + 1))
@@ -224,7 +224,7 @@ def setup(settings: RunSettings, gpu_defaults_set: list[str] | None) -> Session:
     report = get_report() if is_master() else None
     if report is not None and not resuming:
         report.clear_curve()  # a fresh run starts a new curve; a resumed one continues it
-    return Session(settings, run, tokenizer, token_bytes, train_loader, val_loader, eval_steps, checkpointer, state,
+    return Session(run.settings, run, tokenizer, token_bytes, train_loader, val_loader, eval_steps, checkpointer, state,
                    loop, LoopPolicy.from_settings(settings, loop.step), logger, report, wandb_run)
 
 

@@ -13,7 +13,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxchat.gpt import GPTConfig
 from jaxchat.compile_only import cudnn_without_gpu, partitioned_hlo
 from jaxchat.hlo import SLICED_ALL_REDUCE, hlo_collectives, stablehlo_tensors
-from jaxchat.memory import kept_activations, memory_estimate
+from jaxchat.footprint import kept_activations
+from jaxchat.memory import memory_estimate
 from jaxchat.run import RunSettings
 from jaxchat.trainer import abstract_model
 
@@ -127,7 +128,7 @@ def test_memory_estimate_of_a_d2_model():
     from jax._src.cudnn import fused_attention_stablehlo as fused
 
     devices, batch, seq, vocab = 2, 3, 256, 512  # B x T above every weight dimension, T above the loss chunk
-    settings = RunSettings(depth=2, device_batch_size=batch, max_seq_len=seq, attention="cudnn")
+    settings = RunSettings(depth=2, device_batch_size=batch, max_seq_len=seq, attention="cudnn", remat="dots")
     result = memory_estimate(settings, vocab, devices, device_gib=1.0)
     rows = {r["what"]: r["gib"] * 2**30 for r in result["per_device"]}
     config = GPTConfig.from_depth(2, vocab, max_seq_len=seq)
@@ -188,7 +189,7 @@ def test_the_estimate_against_the_step_compiled_for_h100s(devices):
     from jaxchat.compile_only import compile_for_target
 
     batch, seq, vocab = 4, 512, 8192
-    settings = RunSettings(depth=2, device_batch_size=batch, max_seq_len=seq)
+    settings = RunSettings(depth=2, device_batch_size=batch, max_seq_len=seq, remat="dots")
     estimate = {r["what"]: r["gib"] * 2**30 for r in memory_estimate(settings, vocab, devices)["per_device"]}
     compiled = {k: v * 2**30 for k, v in compile_for_target(settings, vocab, devices)["memory_gib"].items()}
     # the arguments are the state in its shardings and this device's rows of inputs and targets (int32), to the byte

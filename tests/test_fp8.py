@@ -196,7 +196,7 @@ def test_fp8_loss_head_against_numpy():
 
 # ---- the train step: settings, lowering for CUDA, one step against the same step without fp8 ----------
 VOCAB = 300  # padded to 320: lm_head passes nanochat's filter (min 128, multiples of 16) as at d2 every block's layers
-D2 = dict(depth=2, max_seq_len=32, device_batch_size=2, total_batch_size=64, num_iterations=4, seed=3)
+D2 = dict(depth=2, max_seq_len=32, device_batch_size=2, total_batch_size=64, num_iterations=4, seed=3, remat="dots")
 
 
 def d2_run(fp8_on: bool, **overrides):

@@ -109,7 +109,7 @@ def test_compile_only_for_h100s(tmp_path):
         pytest.skip("needs JAX's CUDA plugin to compile for an H100 target: pip install -e '.[cuda12]'")
     report = tmp_path / "c.json"
     done = subprocess.run(command("--compile-only", "--depth", "2", "--max-seq-len", "256", "--device-batch-size", "2",
-                                  "--vocab-size", "1024", "--devices", "1", "2", "--json", str(report)),
+                                  "--vocab-size", "1024", "--devices", "1", "2", "--remat", "dots", "--json", str(report)),
                           cwd=REPO, env=environment(tmp_path), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     reports = json.loads(report.read_text())["reports"]

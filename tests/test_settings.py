@@ -125,6 +125,6 @@ def test_a_setting_of_some_recipes_only_is_refused_by_the_others(monkeypatch):
 
 
 def test_settings_are_checked_when_built_even_by_library_callers():
-    with pytest.raises(SettingsError, match="--remat 'all': use one of none, dots, block"):
+    with pytest.raises(SettingsError, match="--remat 'all': use one of auto, none, dots, block"):
         RunSettings(remat="all")
     assert dataclasses.replace(RunSettings(), depth=4).depth == 4
