@@ -122,109 +122,21 @@ def train_two_processes(base_dir, start_train, port, *flags) -> str:
     return outputs[0]
 
 
-@pytest.mark.slow
-def test_two_hosts_train_save_and_resume_exactly(tmp_path, make_base_dir, start_train, free_port):
-    """Each process reads its own share of the data and saves its own loader state; resuming both from
-    the middle (a new pair of processes, which loads the first pair's compiled programs from the XLA
-    cache) gives the steps of the uninterrupted run."""
-    base_dir = make_base_dir(tmp_path)
-    flags = ["--depth=2", "--max-seq-len=64", "--device-batch-size=4", "--total-batch-size=512",
-             "--num-iterations=6", "--eval-every=3", "--eval-tokens=512", "--core-metric-every=-1",
-             "--sample-every=-1", "--save-every=3", "--device-type=cpu", "--loader-workers=1", "--model-tag=hosts"]
-    whole = train_two_processes(base_dir, start_train, free_port(), *flags)
-    data_states = os.listdir(base_dir / "base_checkpoints" / "hosts" / "3" / "data")
-    assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(data_states)
-    resumed = train_two_processes(base_dir, start_train, free_port(), *flags, "--resume-from-step=3")
-    line = re.compile(r"^step (\d+)/00006 .*?\| loss: ([\d.]+) \|", re.M)
-    whole_losses, resumed_losses = dict(line.findall(whole)), dict(line.findall(resumed))
-    assert sorted(resumed_losses) == ["00003", "00004", "00005"]
-    # exact: the same compiled programs on the same batches (the losses as printed, bpb too)
-    assert resumed_losses == {step: whole_losses[step] for step in resumed_losses}
-    bpb = re.compile(r"^Step 00006 \| Validation bpb: ([\d.]+)$", re.M)
-    assert len(bpb.findall(whole)) == 1 and bpb.findall(resumed) == bpb.findall(whole)
-
-
-# Two hosts stopped and lost: the uninterrupted pair, a pair of which one process gets SIGTERM, one of which
-# one process is killed, each resumed with --resume-from-step=latest (as a requeued SLURM job).
+# Two hosts, end to end. The reference is one uninterrupted pair, started as sbatch starts runs/multihost_slurm.sh.
+# One more run, 'requeued', is started three times as a requeued SLURM job is (a new pair of processes each time,
+# the same flags, --resume-from-step=latest): process 1 of the first pair is killed, process 1 of the second gets
+# SIGTERM, the third pair finishes. Starting a pair is what costs (8-10 s on a shared 2-core machine): JAX writes its
+# persistent compilation cache from process 0 only, and process 1's cache key differs from process 0's (it hashes
+# the device topology as that process sees it), so process 1 compiles every program at every start. Hence four
+# pair starts serve the four tests below, rather than a pair of runs each.
+PAIR_STEPS = 10
 PAIR_FLAGS = ["--depth=2", "--max-seq-len=64", "--device-batch-size=4", "--total-batch-size=512",
-              "--num-iterations=10", "--eval-every=-1", "--core-metric-every=-1", "--sample-every=-1",
-              "--save-every=3", "--device-type=cpu", "--loader-workers=1", "--resume-from-step=latest"]
-STEP_LINE = re.compile(r"^step (\d+)/00010 .*?\| loss: ([\d.]+) \|", re.M)
-
-
-def interrupt_pair_at(base_dir, start_train, port, tag: str, step: int, sig: int) -> tuple[list, list[str], float]:
-    """Two processes on run `tag`; `sig` to process 1 alone once process 0 printed `step`. (Popens, outputs,
-    the time the signal was sent.)"""
-    procs = start_two_processes(base_dir, start_train, port, *PAIR_FLAGS, f"--model-tag={tag}")
-    head = []
-    for line in procs[0].stdout:
-        head.append(line)
-        if line.startswith(f"step {step:05d}/"):
-            break
-    procs[1].send_signal(sig)
-    sent = time.monotonic()
-    outputs = [p.communicate(timeout=120)[0] for p in procs]
-    return procs, ["".join(head) + outputs[0], outputs[1]], sent
-
-
-@pytest.fixture(scope="module")
-def pairs(tmp_path_factory, make_base_dir, start_train, free_port):
-    """{'whole': its losses, 'term'/'kill': (Popens, outputs, signal time, step signalled, steps on disk, resumed
-    pair's process 0 output)} in one base dir."""
-    base_dir = make_base_dir(tmp_path_factory.mktemp("pairs"))
-    result = {"base": base_dir,
-              "whole": train_two_processes(base_dir, start_train, free_port(), *PAIR_FLAGS, "--model-tag=whole")}
-    for name, sig in (("term", signal.SIGTERM), ("kill", signal.SIGKILL)):
-        at = random.randint(1, 5)  # the stop is agreed a step or two later: before step 10, the last
-        procs, outputs, sent = interrupt_pair_at(base_dir, start_train, free_port(), name, at, sig)
-        ended = time.monotonic() - sent
-        on_disk = sorted(os.listdir(base_dir / "base_checkpoints" / name))
-        resumed = train_two_processes(base_dir, start_train, free_port(), *PAIR_FLAGS, f"--model-tag={name}")
-        result[name] = {"procs": procs, "outputs": outputs, "seconds": ended, "at": at, "on_disk": on_disk,
-                        "resumed": resumed}
-    return result
-
-
-def assert_resumed_exactly(whole: str, resumed: str, from_step: int) -> None:
-    """The resumed pair prints the steps from_step..9 with the uninterrupted pair's losses, as printed:
-    exact, the same compiled programs on the same batches (CPU all-reduce is reproducible run to run)."""
-    started = f"Resumed optimization from step {from_step}" if from_step else "yet: starting from scratch"
-    assert started in resumed, resumed[-3000:]
-    losses, whole_losses = dict(STEP_LINE.findall(resumed)), dict(STEP_LINE.findall(whole))
-    assert sorted(int(s) for s in losses) == list(range(from_step, 10))
-    assert losses == {step: whole_losses[step] for step in losses}
-
-
-@pytest.mark.slow
-def test_sigterm_to_one_host_stops_both_at_the_same_step(pairs):
-    run = pairs["term"]
-    out0, out1 = run["outputs"]
-    assert [p.returncode for p in run["procs"]] == [EXIT_STOPPED, EXIT_STOPPED], (run["at"], out0[-3000:], out1[-3000:])
-    assert "Signal 15 received by process 1" in out1
-    stopped_at = int(re.search(r"Resume with --resume-from-step=(\d+)", out0).group(1))
-    assert run["at"] < stopped_at < 10, run["at"]
-    step_dir = pairs["base"] / "base_checkpoints" / "term" / str(stopped_at)
-    # one checkpoint written by both: each process's data position in the stopped step
-    assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(os.listdir(step_dir / "data"))
-    assert str(stopped_at) in run["on_disk"]
-    assert_resumed_exactly(pairs["whole"], run["resumed"], stopped_at)
-
-
-@pytest.mark.slow
-def test_a_killed_host_ends_the_other_fast_with_one_line(pairs):
-    run = pairs["kill"]
-    survivor = run["outputs"][0]
-    assert run["procs"][0].returncode == EXIT_PEER_LOST, (run["at"], survivor[-3000:])
-    assert run["seconds"] < 30
-    assert "Traceback" not in survivor and "stack trace" not in survivor, survivor[-3000:]
-    last = survivor.strip().splitlines()[-1]
-    newest = max((int(name) for name in run["on_disk"] if name.isdigit()), default=None)
-    saved = f"step {newest}" if newest is not None else "none yet"
-    assert re.fullmatch(r"error: process 0 lost process 1 of 2 in step \d+ \(.*\); the newest complete checkpoint: "
-                        rf"{saved}\. Restart every process with --resume-from-step=latest", last), last
-    # what 'latest' takes is that newest complete step: an unfinished save left behind is not a step
-    assert_resumed_exactly(pairs["whole"], run["resumed"], newest or 0)
-
+              f"--num-iterations={PAIR_STEPS}", f"--eval-every={PAIR_STEPS}", "--eval-tokens=512",  # bpb at 0 and 10
+              "--core-metric-every=-1", "--sample-every=-1", "--save-every=3", "--device-type=cpu",
+              "--loader-workers=1", "--resume-from-step=latest"]
+STEP_LINE = re.compile(rf"^step (\d+)/{PAIR_STEPS:05d} .*?\| loss: ([\d.]+) \|", re.M)
+VAL_LINE = re.compile(r"^Step (\d+) \| Validation bpb: ([\d.]+)$", re.M)
+DATA_STATES = {"process_0-of-2.json", "process_1-of-2.json"}  # each process saves its own loader's position
 
 # srun for a test without a cluster: the SLURM step's tasks as processes of this machine, each with the
 # variables srun gives a task (SLURM_PROCID, SLURM_LOCALID); any other command (the evaluations after
@@ -252,12 +164,9 @@ def slurm_job_id_with_a_free_port() -> str:
                 continue
 
 
-@pytest.mark.slow
-def test_the_slurm_script_trains_two_tasks(tmp_path, make_base_dir, subprocess_env):
-    """runs/multihost_slurm.sh as sbatch runs it on two nodes of one CPU each, both 127.0.0.1: JAX's own SLURM
-    detection starts jax.distributed from the variables, the script's flags and ours train a few steps."""
-    base_dir = make_base_dir(tmp_path / "base")
-    bin_dir = tmp_path / "bin"
+def run_slurm_script(base_dir, bin_dir, subprocess_env, *flags) -> subprocess.CompletedProcess:
+    """runs/multihost_slurm.sh *flags as sbatch runs it on two nodes of one CPU each, both 127.0.0.1 (the fake srun
+    in bin_dir): JAX's own SLURM detection starts jax.distributed from the variables. Its output, as text."""
     bin_dir.mkdir()
     (bin_dir / "srun").write_text(FAKE_SRUN)
     (bin_dir / "srun").chmod(0o755)
@@ -268,15 +177,117 @@ def test_the_slurm_script_trains_two_tasks(tmp_path, make_base_dir, subprocess_e
         SLURM_NTASKS="2", SLURM_STEP_NODELIST="127.0.0.1,127.0.0.1", SLURM_STEP_NUM_NODES="2",
         JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
     env.pop("JAX_COORDINATOR_ADDRESS", None)
-    flags = ["--depth=2", "--max-seq-len=64", "--device-batch-size=4", "--total-batch-size=512", "--num-iterations=4",
-             "--eval-every=-1", "--core-metric-every=-1", "--sample-every=-1", "--device-type=cpu",
-             "--loader-workers=1", "--model-tag=slurm"]
     script = os.path.join(env["SLURM_SUBMIT_DIR"], "runs", "multihost_slurm.sh")
-    done = subprocess.run(["bash", script, *flags], env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(["bash", script, *flags], env=env, capture_output=True, text=True, timeout=300)
+
+
+def interrupt_pair_at(base_dir, start_train, port, step: int, sig: int) -> dict:
+    """A pair of run 'requeued'; `sig` to process 1 alone once process 0 printed `step`: {procs: the Popens,
+    outputs: each process's, seconds: from the signal to both ends, at: step, on_disk: the run directory after}."""
+    procs = start_two_processes(base_dir, start_train, port, *PAIR_FLAGS, "--model-tag=requeued")
+    head = []
+    for line in procs[0].stdout:
+        head.append(line)
+        if line.startswith(f"step {step:05d}/"):
+            break
+    procs[1].send_signal(sig)
+    sent = time.monotonic()
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    return {"procs": procs, "outputs": ["".join(head) + outputs[0], outputs[1]], "seconds": time.monotonic() - sent,
+            "at": step, "on_disk": sorted(os.listdir(base_dir / "base_checkpoints" / "requeued"))}
+
+
+def newest_step(on_disk: list[str]) -> int | None:
+    """The newest step of a run directory's entries (beside the steps: run.lock, unfinished saves)."""
+    return max((int(name) for name in on_disk if name.isdigit()), default=None)
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory, make_base_dir, start_train, free_port, subprocess_env):
+    """In one base dir: {'slurm': the reference pair's CompletedProcess (run 'whole'), 'whole': its output;
+    'kill', 'term': interrupt_pair_at of the first and second start of 'requeued'; 'resumed': process 0's output
+    of its third start}."""
+    tmp = tmp_path_factory.mktemp("pairs")
+    base_dir = make_base_dir(tmp / "base")
+    slurm = run_slurm_script(base_dir, tmp / "bin", subprocess_env, *PAIR_FLAGS, "--model-tag=whole")
+    assert slurm.returncode == 0, (slurm.stdout + slurm.stderr)[-3000:]
+    result = {"base": base_dir, "slurm": slurm, "whole": slurm.stdout}
+    # killed once step 1..4 is printed: before its first save (step 3) or after it; the stop takes a step or two
+    result["kill"] = interrupt_pair_at(base_dir, start_train, free_port(), random.randint(1, 4), signal.SIGKILL)
+    restart = newest_step(result["kill"]["on_disk"]) or 0  # (3 at most: the save of step 6 comes after step 5's line)
+    # stopped once one of its first three steps is printed: agreed a step or two later, before step 10, the last
+    result["term"] = interrupt_pair_at(base_dir, start_train, free_port(), random.randint(restart, restart + 2),
+                                       signal.SIGTERM)
+    result["resumed"] = train_two_processes(base_dir, start_train, free_port(), *PAIR_FLAGS, "--model-tag=requeued")
+    return result
+
+
+def stopped_at(out: str) -> int:
+    """The step a stopped run saved, as it tells the user to resume from."""
+    resume = re.search(r"Resume with --resume-from-step=(\d+)", out)
+    assert resume, out[-3000:]
+    return int(resume.group(1))
+
+
+def assert_resumed_exactly(whole: str, resumed: str, from_step: int, to_step: int = PAIR_STEPS) -> None:
+    """The resumed pair prints the steps from_step..to_step-1 with the uninterrupted pair's losses, as printed:
+    exact, the same compiled programs on the same batches (CPU all-reduce is reproducible run to run)."""
+    started = f"Resumed optimization from step {from_step}" if from_step else "yet: starting from scratch"
+    assert started in resumed, resumed[-3000:]
+    losses, whole_losses = dict(STEP_LINE.findall(resumed)), dict(STEP_LINE.findall(whole))
+    assert sorted(int(s) for s in losses) == list(range(from_step, to_step))
+    assert losses == {step: whole_losses[step] for step in losses}
+
+
+@pytest.mark.slow
+def test_a_killed_host_ends_the_other_fast_with_one_line(pairs):
+    run = pairs["kill"]
+    survivor = run["outputs"][0]
+    assert run["procs"][0].returncode == EXIT_PEER_LOST, (run["at"], survivor[-3000:])
+    assert run["seconds"] < 30
+    assert "Traceback" not in survivor and "stack trace" not in survivor, survivor[-3000:]
+    last = survivor.strip().splitlines()[-1]
+    newest = newest_step(run["on_disk"])
+    saved = f"step {newest}" if newest is not None else "none yet"
+    assert re.fullmatch(r"error: process 0 lost process 1 of 2 in step \d+ \(.*\); the newest complete checkpoint: "
+                        rf"{saved}\. Restart every process with --resume-from-step=latest", last), last
+    # what 'latest' takes is that newest complete step: an unfinished save left behind is not a step. (The next
+    # start carries on from it until its SIGTERM.)
+    restarted = pairs["term"]["outputs"][0]
+    assert_resumed_exactly(pairs["whole"], restarted, newest or 0, stopped_at(restarted))
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_host_stops_both_at_the_same_step(pairs):
+    run = pairs["term"]
+    out0, out1 = run["outputs"]
+    assert [p.returncode for p in run["procs"]] == [EXIT_STOPPED, EXIT_STOPPED], (run["at"], out0[-3000:], out1[-3000:])
+    assert "Signal 15 received by process 1" in out1
+    stopped = stopped_at(out0)
+    assert run["at"] < stopped < PAIR_STEPS, run["at"]
+    # one checkpoint written by both: each process's data position in the stopped step
+    assert DATA_STATES <= set(os.listdir(pairs["base"] / "base_checkpoints" / "requeued" / str(stopped) / "data"))
+    assert str(stopped) in run["on_disk"]
+    assert_resumed_exactly(pairs["whole"], pairs["resumed"], stopped)
+
+
+@pytest.mark.slow
+def test_two_hosts_evaluate_the_same_after_two_restarts(pairs):
+    """The validation bpb of the last step, measured by the third pair of 'requeued', equals the uninterrupted
+    pair's: the last update (which no printed loss shows) and each process's share of the validation data came
+    through both restarts."""
+    whole = dict(VAL_LINE.findall(pairs["whole"]))
+    assert sorted(whole) == ["00000", f"{PAIR_STEPS:05d}"], pairs["whole"][-3000:]
+    assert dict(VAL_LINE.findall(pairs["resumed"])) == {f"{PAIR_STEPS:05d}": whole[f"{PAIR_STEPS:05d}"]}
+
+
+@pytest.mark.slow
+def test_the_slurm_script_trains_two_tasks(pairs):
+    """The reference pair: the script's flags and ours train, each task saves its data position, and the
+    evaluations come after training."""
+    done = pairs["slurm"]
     out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-3000:]
     assert "2 nodes x 1 GPUs" in out and "| 2 process(es), 2 cpu device(s) in the mesh" in out, out[-3000:]
-    assert [int(step) for step in re.findall(r"^step (\d+)/00004 ", out, re.M)] == [0, 1, 2, 3]
-    data = os.listdir(base_dir / "base_checkpoints" / "slurm" / "4" / "data")
-    assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(data)
+    assert [int(step) for step, _ in STEP_LINE.findall(done.stdout)] == list(range(PAIR_STEPS))
+    assert DATA_STATES <= set(os.listdir(pairs["base"] / "base_checkpoints" / "whole" / str(PAIR_STEPS) / "data"))
     assert "srun skipped: " in out and "scripts.base_loss" in out  # the evaluations come after training
