@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -83,3 +84,22 @@ def start_train(subprocess_env):
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     return start
+
+
+@pytest.fixture(scope="session")
+def rest_of_output():
+    """rest_of_output(process, timeout) -> what a started process prints from here until it exits (killed after
+    timeout seconds), for a stdout already read from line by line. Not communicate(timeout=...): it reads the
+    pipe under the text stream, and loses the lines that the stream has read ahead but not yet returned."""
+
+    def rest(process: subprocess.Popen, timeout: float) -> str:
+        watchdog = threading.Timer(timeout, process.kill)
+        watchdog.start()
+        try:
+            out = process.stdout.read()
+            process.wait()
+        finally:
+            watchdog.cancel()
+        return out
+
+    return rest

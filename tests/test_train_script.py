@@ -1,10 +1,12 @@
 """`python -m scripts.train` as a user runs it: bad inputs stop before any compute with a message and no
-traceback, and two hosts (two jax.distributed processes) train, save and resume exactly. (A run that
-learns, evaluates and samples: test_cpu_demo.py; SIGTERM and exact resume in a new process, the report's
-curve across it: test_checkpoint.py.)"""
+traceback, and two hosts (two jax.distributed processes) train under SLURM, stop together on SIGTERM, end fast
+when one is lost, and resume exactly, bit for bit, with the report's curve carried on. (A run that learns,
+evaluates and samples: test_cpu_demo.py; a second start on a live run: test_checkpoint.py.)"""
 
 import contextlib
+import csv
 import glob
+import json
 import os
 import random
 import re
@@ -14,9 +16,14 @@ import subprocess
 import sys
 import time
 
+import jax
 import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
 import pytest
+from etils import epath
 
+from jaxchat import report
 from jaxchat.checkpoint import RunCheckpoints
 from jaxchat.tokenizer import Tokenizer
 from jaxchat.train_loop import EXIT_PEER_LOST, EXIT_STOPPED
@@ -181,9 +188,10 @@ def run_slurm_script(base_dir, bin_dir, subprocess_env, *flags) -> subprocess.Co
     return subprocess.run(["bash", script, *flags], env=env, capture_output=True, text=True, timeout=300)
 
 
-def interrupt_pair_at(base_dir, start_train, port, step: int, sig: int) -> dict:
+def interrupt_pair_at(base_dir, start_train, rest_of_output, port, step: int, sig: int) -> dict:
     """A pair of run 'requeued'; `sig` to process 1 alone once process 0 printed `step`: {procs: the Popens,
-    outputs: each process's, seconds: from the signal to both ends, at: step, on_disk: the run directory after}."""
+    outputs: each process's, seconds: from the signal to both ends, at: step, on_disk: the run directory after,
+    curve: the report's curve after}."""
     procs = start_two_processes(base_dir, start_train, port, *PAIR_FLAGS, "--model-tag=requeued")
     head = []
     for line in procs[0].stdout:
@@ -192,9 +200,10 @@ def interrupt_pair_at(base_dir, start_train, port, step: int, sig: int) -> dict:
             break
     procs[1].send_signal(sig)
     sent = time.monotonic()
-    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    outputs = [rest_of_output(p, timeout=120) for p in procs]
     return {"procs": procs, "outputs": ["".join(head) + outputs[0], outputs[1]], "seconds": time.monotonic() - sent,
-            "at": step, "on_disk": sorted(os.listdir(base_dir / "base_checkpoints" / "requeued"))}
+            "at": step, "on_disk": sorted(os.listdir(base_dir / "base_checkpoints" / "requeued")),
+            "curve": curve_rows(base_dir)}
 
 
 def newest_step(on_disk: list[str]) -> int | None:
@@ -202,23 +211,40 @@ def newest_step(on_disk: list[str]) -> int | None:
     return max((int(name) for name in on_disk if name.isdigit()), default=None)
 
 
+def curve_rows(base_dir) -> list[tuple[int, str, str]]:
+    """The report's training curve as process 0 wrote it: (step, loss, val bpb) as text, '' where not measured."""
+    with open(base_dir / "report" / report.CURVE_CSV, newline="") as f:
+        header, *rows = csv.reader(f)
+    assert header == ["step", "train_loss", "val_bpb"]
+    return [(int(step), loss, bpb) for step, loss, bpb in rows]
+
+
+def printed_curve(out: str) -> list[tuple[int, str, str]]:
+    """(step, loss, val bpb) as the run printed them, in order; '' where not measured (the CSV's rows)."""
+    rows = [(m.start(), int(m.group(1)), m.group(2), "") for m in STEP_LINE.finditer(out)]
+    rows += [(m.start(), int(m.group(1)), "", m.group(2)) for m in VAL_LINE.finditer(out)]
+    return [row[1:] for row in sorted(rows)]
+
+
 @pytest.fixture(scope="module")
-def pairs(tmp_path_factory, make_base_dir, start_train, free_port, subprocess_env):
-    """In one base dir: {'slurm': the reference pair's CompletedProcess (run 'whole'), 'whole': its output;
-    'kill', 'term': interrupt_pair_at of the first and second start of 'requeued'; 'resumed': process 0's output
-    of its third start}."""
+def pairs(tmp_path_factory, make_base_dir, start_train, rest_of_output, free_port, subprocess_env):
+    """In one base dir (so one report curve): {'slurm': the reference pair's CompletedProcess (run 'whole'),
+    'whole': its output, 'whole_curve': the curve after it; 'kill', 'term': interrupt_pair_at of the first and
+    second start of 'requeued'; 'resumed': process 0's output of its third start, 'resumed_curve': the curve after}."""
     tmp = tmp_path_factory.mktemp("pairs")
     base_dir = make_base_dir(tmp / "base")
     slurm = run_slurm_script(base_dir, tmp / "bin", subprocess_env, *PAIR_FLAGS, "--model-tag=whole")
     assert slurm.returncode == 0, (slurm.stdout + slurm.stderr)[-3000:]
-    result = {"base": base_dir, "slurm": slurm, "whole": slurm.stdout}
-    # killed once step 1..4 is printed: before its first save (step 3) or after it; the stop takes a step or two
-    result["kill"] = interrupt_pair_at(base_dir, start_train, free_port(), random.randint(1, 4), signal.SIGKILL)
+    result = {"base": base_dir, "slurm": slurm, "whole": slurm.stdout, "whole_curve": curve_rows(base_dir)}
+    # killed once step 1..4 is printed: before its first save (step 3) or after it
+    result["kill"] = interrupt_pair_at(base_dir, start_train, rest_of_output, free_port(), random.randint(1, 4),
+                                       signal.SIGKILL)
     restart = newest_step(result["kill"]["on_disk"]) or 0  # (3 at most: the save of step 6 comes after step 5's line)
     # stopped once one of its first three steps is printed: agreed a step or two later, before step 10, the last
-    result["term"] = interrupt_pair_at(base_dir, start_train, free_port(), random.randint(restart, restart + 2),
-                                       signal.SIGTERM)
+    result["term"] = interrupt_pair_at(base_dir, start_train, rest_of_output, free_port(),
+                                       random.randint(restart, restart + 2), signal.SIGTERM)
     result["resumed"] = train_two_processes(base_dir, start_train, free_port(), *PAIR_FLAGS, "--model-tag=requeued")
+    result["resumed_curve"] = curve_rows(base_dir)
     return result
 
 
@@ -267,18 +293,72 @@ def test_sigterm_to_one_host_stops_both_at_the_same_step(pairs):
     assert run["at"] < stopped < PAIR_STEPS, run["at"]
     # one checkpoint written by both: each process's data position in the stopped step
     assert DATA_STATES <= set(os.listdir(pairs["base"] / "base_checkpoints" / "requeued" / str(stopped) / "data"))
-    assert str(stopped) in run["on_disk"]
+    # the steps saved so far (every 3, by this start or the killed one) and the stopped step
+    assert run["on_disk"] == sorted({str(step) for step in range(3, stopped + 1, 3)} | {str(stopped), "run.lock"})
     assert_resumed_exactly(pairs["whole"], pairs["resumed"], stopped)
 
 
+def saved_arrays(step_dir: str, item: str) -> dict[str, np.ndarray]:
+    """Every array of one item of a saved step, by path, as NumPy: read without knowing the structure."""
+    path = epath.Path(step_dir) / item
+    structure = ocp.PyTreeCheckpointHandler().metadata(path).tree
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), structure)
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+        tree = reader.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+    return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def assert_same_step(dir_a: str, dir_b: str) -> None:
+    """Parameters, optimizer state and each process's data iterator state identical, bit for bit; loop state too.
+    Exact on purpose: both runs execute the same compiled step on the same batches (XLA on the CPU is
+    deterministic, and its cross-process all-reduce too), so any difference is state the checkpoint lost."""
+    for item in ("params", "opt_state"):
+        a, b = saved_arrays(dir_a, item), saved_arrays(dir_b, item)
+        assert a.keys() == b.keys()
+        for path in a:
+            np.testing.assert_array_equal(a[path], b[path], err_msg=f"{item}{path}")
+    for name in DATA_STATES:
+        with open(os.path.join(dir_a, "data", name)) as fa, open(os.path.join(dir_b, "data", name)) as fb:
+            assert json.load(fa) == json.load(fb), name
+    with open(os.path.join(dir_a, "meta", "metadata")) as fa, open(os.path.join(dir_b, "meta", "metadata")) as fb:
+        meta_a, meta_b = json.load(fa), json.load(fb)
+    for key in ("step", "val_bpb", "model_config"):
+        assert meta_a[key] == meta_b[key], key
+    for key in ("min_val_bpb", "smooth_train_loss"):
+        assert meta_a["loop_state"][key] == meta_b["loop_state"][key], key
+
+
 @pytest.mark.slow
-def test_two_hosts_evaluate_the_same_after_two_restarts(pairs):
-    """The validation bpb of the last step, measured by the third pair of 'requeued', equals the uninterrupted
-    pair's: the last update (which no printed loss shows) and each process's share of the validation data came
-    through both restarts."""
+def test_two_hosts_save_and_evaluate_the_same_after_two_restarts(pairs):
+    """The last two steps saved by 'requeued' (by its third pair) equal the uninterrupted pair's bit for bit,
+    and so does the validation bpb of the last step: the last update (which no printed loss shows) and each
+    process's share of the training and validation data came through both restarts."""
+    checkpoints = pairs["base"] / "base_checkpoints"
+    for step in (PAIR_STEPS - 1, PAIR_STEPS):  # (the reference keeps its newest two: the script's --keep-checkpoints)
+        assert_same_step(str(checkpoints / "requeued" / str(step)), str(checkpoints / "whole" / str(step)))
     whole = dict(VAL_LINE.findall(pairs["whole"]))
     assert sorted(whole) == ["00000", f"{PAIR_STEPS:05d}"], pairs["whole"][-3000:]
     assert dict(VAL_LINE.findall(pairs["resumed"])) == {f"{PAIR_STEPS:05d}": whole[f"{PAIR_STEPS:05d}"]}
+
+
+@pytest.mark.slow
+def test_the_report_curve_starts_anew_and_a_resumed_run_carries_it_on(pairs):
+    """Process 0 appends to <base>/report/training_curve.csv at each evaluation and save. A fresh start (the
+    first of 'requeued': 'latest' with nothing saved) replaces the reference run's curve; a resumed start
+    appends to it; after exact resumes the newest row of each step is the reference's."""
+    assert pairs["whole_curve"] == printed_curve(pairs["whole"])  # values as printed
+    killed, stopped = pairs["kill"], pairs["term"]
+    # the reference's rows are gone: what is there is what the killed run printed, up to its last save or eval
+    written = killed["curve"]
+    assert written and written == printed_curve(killed["outputs"][0])[:len(written)]
+    carried = written if newest_step(killed["on_disk"]) is not None else []  # else the next start is fresh too
+    assert stopped["curve"] == carried + printed_curve(stopped["outputs"][0])
+    assert pairs["resumed_curve"] == stopped["curve"] + printed_curve(pairs["resumed"])  # appended to
+
+    def newest(rows):  # what the report reads: the newest row of a step wins
+        return {(step, "loss" if loss else "bpb"): loss or bpb for step, loss, bpb in rows}
+
+    assert newest(pairs["resumed_curve"]) == newest(pairs["whole_curve"])  # rewritten with the same values
 
 
 @pytest.mark.slow
