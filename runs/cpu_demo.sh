@@ -41,7 +41,7 @@ mkdir -p "$JAXCHAT_BASE_DIR"
 # which for these tiny batches would shrink them 11-32x; the flags below are nanochat's defaults divided
 # by that factor, so the effective rates are the ones nanochat trains with.
 case "${JAXCHAT_DEMO_SIZE:-small}" in
-    small)  # 120 steps of 4,096 tokens: about 3 minutes of training on 2 x86 cores (docs/benchmarks.md, 2026-12-02)
+    small)  # 120 steps of 4,096 tokens: 3-5 minutes of training on 2 x86 cores (docs/benchmarks.md)
         VOCAB_SIZE=8192; DEPTH=4; SEQ_LEN=512; DEVICE_BATCH=8; STEPS=120; EVAL_EVERY=30; EVAL_TOKENS=32768
         SAMPLE_TOKENS=48 ;;
     tiny)   # a smoke test of every stage: the model learns a little, nothing more
