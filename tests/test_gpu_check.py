@@ -14,6 +14,7 @@ import pytest
 from scripts.gpu_check import ITEMS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow  # every test here starts scripts.gpu_check as a process
 
 
 def command(*args: str) -> list[str]:
