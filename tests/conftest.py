@@ -22,7 +22,13 @@ os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), FAST_COMPIL
                                     "--xla_force_host_platform_device_count=8"]).strip()
 os.environ.setdefault("WANDB_MODE", "disabled")
 
+import re  # noqa: E402
+
 import pytest  # noqa: E402
+
+# scripts.train's printed lines, as the end-to-end tests read them: a step's loss, and an evaluation's bpb
+TRAIN_STEP_LINE = re.compile(r"^step (\d+)/\d+ .*?\| loss: ([\d.]+) \|", re.M)
+VAL_BPB_LINE = re.compile(r"^Step (\d+) \| Validation bpb: ([\d.]+)$", re.M)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import TRAIN_STEP_LINE, VAL_BPB_LINE
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -738,8 +739,6 @@ TRAIN_FLAGS = ["--depth=2", "--max-seq-len=64", "--device-batch-size=2", "--tota
                "--num-devices=2", f"--num-iterations={TRAIN_STEPS}", "--warmup-ratio=0.1", "--eval-every=6",
                "--eval-tokens=512", "--core-metric-every=-1", "--save-every=5", f"--sample-every={TRAIN_STEPS}",
                "--loader-workers=1", "--device-type=cpu", "--model-tag=whole"]
-STEP_LINE = re.compile(r"^step (\d+)/\d+ .*?\| loss: ([\d.]+) \|", re.M)
-VAL_LINE = re.compile(r"^Step (\d+) \| Validation bpb: ([\d.]+)$", re.M)
 
 
 @pytest.fixture(scope="module")
@@ -779,8 +778,8 @@ def test_a_run_prints_base_train_figures_saves_and_samples(runs):
                    "Minimum validation bpb:", "Peak memory usage:"):  # the preamble and end figures of base_train.py
         assert needle in out, needle
     assert re.search(r"mfu: n/a \| epoch: \d+ \| total time: ", out)  # no peak FLOP/s known for a CPU
-    assert [int(s) for s, _ in STEP_LINE.findall(out)] == list(range(TRAIN_STEPS)), out[-3000:]
-    assert [int(s) for s, _ in VAL_LINE.findall(out)] == [0, 6, 12], out[-3000:]
+    assert [int(s) for s, _ in TRAIN_STEP_LINE.findall(out)] == list(range(TRAIN_STEPS)), out[-3000:]
+    assert [int(s) for s, _ in VAL_BPB_LINE.findall(out)] == [0, 6, 12], out[-3000:]
     # every 5 steps, and the last step whether or not it is a multiple
     assert sorted(os.listdir(runs["base"] / "base_checkpoints" / "whole")) == ["10", "12", "5", "run.lock"]
     samples = [line for line in out.splitlines() if line.startswith("<|bos|>")]  # --sample-every, at the end

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from conftest import FAST_COMPILE_XLA_FLAGS, TRAIN_STEP_LINE, VAL_BPB_LINE
 from etils import epath
 
 from jaxchat import report
@@ -111,9 +112,12 @@ def test_unreachable_core_bundle_stops_before_training(tmp_path, start_train, fr
     assert "--core-metric-every=-1" in out
 
 
+ONE_DEVICE_XLA_FLAGS = f"{FAST_COMPILE_XLA_FLAGS} --xla_force_host_platform_device_count=1"  # a host of one CPU
+
+
 def start_two_processes(base_dir, start_train, port, *flags) -> list:
     """scripts.train as two hosts of one CPU device each (jax.distributed on 127.0.0.1): their Popens."""
-    return [start_train(base_dir, *flags, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+    return [start_train(base_dir, *flags, JAX_PLATFORMS="cpu", XLA_FLAGS=ONE_DEVICE_XLA_FLAGS,
                         JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
                         JAX_PROCESS_ID=str(process_id))
             for process_id in range(2)]
@@ -141,8 +145,6 @@ PAIR_FLAGS = ["--depth=2", "--max-seq-len=64", "--device-batch-size=4", "--total
               f"--num-iterations={PAIR_STEPS}", f"--eval-every={PAIR_STEPS}", "--eval-tokens=512",  # bpb at 0 and 10
               "--core-metric-every=-1", "--sample-every=-1", "--save-every=3", "--device-type=cpu",
               "--loader-workers=1", "--resume-from-step=latest"]
-STEP_LINE = re.compile(rf"^step (\d+)/{PAIR_STEPS:05d} .*?\| loss: ([\d.]+) \|", re.M)
-VAL_LINE = re.compile(r"^Step (\d+) \| Validation bpb: ([\d.]+)$", re.M)
 DATA_STATES = {"process_0-of-2.json", "process_1-of-2.json"}  # each process saves its own loader's position
 
 # srun for a test without a cluster: the SLURM step's tasks as processes of this machine, each with the
@@ -182,7 +184,7 @@ def run_slurm_script(base_dir, bin_dir, subprocess_env, *flags) -> subprocess.Co
         SLURM_SUBMIT_DIR=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         SLURM_JOB_ID=slurm_job_id_with_a_free_port(), SLURM_JOB_NUM_NODES="2", SLURM_GPUS_ON_NODE="1",
         SLURM_NTASKS="2", SLURM_STEP_NODELIST="127.0.0.1,127.0.0.1", SLURM_STEP_NUM_NODES="2",
-        JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+        JAX_PLATFORMS="cpu", XLA_FLAGS=ONE_DEVICE_XLA_FLAGS)
     env.pop("JAX_COORDINATOR_ADDRESS", None)
     script = os.path.join(env["SLURM_SUBMIT_DIR"], "runs", "multihost_slurm.sh")
     return subprocess.run(["bash", script, *flags], env=env, capture_output=True, text=True, timeout=300)
@@ -221,8 +223,8 @@ def curve_rows(base_dir) -> list[tuple[int, str, str]]:
 
 def printed_curve(out: str) -> list[tuple[int, str, str]]:
     """(step, loss, val bpb) as the run printed them, in order; '' where not measured (the CSV's rows)."""
-    rows = [(m.start(), int(m.group(1)), m.group(2), "") for m in STEP_LINE.finditer(out)]
-    rows += [(m.start(), int(m.group(1)), "", m.group(2)) for m in VAL_LINE.finditer(out)]
+    rows = [(m.start(), int(m.group(1)), m.group(2), "") for m in TRAIN_STEP_LINE.finditer(out)]
+    rows += [(m.start(), int(m.group(1)), "", m.group(2)) for m in VAL_BPB_LINE.finditer(out)]
     return [row[1:] for row in sorted(rows)]
 
 
@@ -260,7 +262,7 @@ def assert_resumed_exactly(whole: str, resumed: str, from_step: int, to_step: in
     exact, the same compiled programs on the same batches (CPU all-reduce is reproducible run to run)."""
     started = f"Resumed optimization from step {from_step}" if from_step else "yet: starting from scratch"
     assert started in resumed, resumed[-3000:]
-    losses, whole_losses = dict(STEP_LINE.findall(resumed)), dict(STEP_LINE.findall(whole))
+    losses, whole_losses = dict(TRAIN_STEP_LINE.findall(resumed)), dict(TRAIN_STEP_LINE.findall(whole))
     assert sorted(int(s) for s in losses) == list(range(from_step, to_step))
     assert losses == {step: whole_losses[step] for step in losses}
 
@@ -336,9 +338,9 @@ def test_two_hosts_save_and_evaluate_the_same_after_two_restarts(pairs):
     checkpoints = pairs["base"] / "base_checkpoints"
     for step in (PAIR_STEPS - 1, PAIR_STEPS):  # (the reference keeps its newest two: the script's --keep-checkpoints)
         assert_same_step(str(checkpoints / "requeued" / str(step)), str(checkpoints / "whole" / str(step)))
-    whole = dict(VAL_LINE.findall(pairs["whole"]))
+    whole = dict(VAL_BPB_LINE.findall(pairs["whole"]))
     assert sorted(whole) == ["00000", f"{PAIR_STEPS:05d}"], pairs["whole"][-3000:]
-    assert dict(VAL_LINE.findall(pairs["resumed"])) == {f"{PAIR_STEPS:05d}": whole[f"{PAIR_STEPS:05d}"]}
+    assert dict(VAL_BPB_LINE.findall(pairs["resumed"])) == {f"{PAIR_STEPS:05d}": whole[f"{PAIR_STEPS:05d}"]}
 
 
 @pytest.mark.slow
@@ -368,6 +370,6 @@ def test_the_slurm_script_trains_two_tasks(pairs):
     done = pairs["slurm"]
     out = done.stdout + done.stderr
     assert "2 nodes x 1 GPUs" in out and "| 2 process(es), 2 cpu device(s) in the mesh" in out, out[-3000:]
-    assert [int(step) for step, _ in STEP_LINE.findall(done.stdout)] == list(range(PAIR_STEPS))
+    assert [int(step) for step, _ in TRAIN_STEP_LINE.findall(done.stdout)] == list(range(PAIR_STEPS))
     assert DATA_STATES <= set(os.listdir(pairs["base"] / "base_checkpoints" / "whole" / str(PAIR_STEPS) / "data"))
     assert "srun skipped: " in out and "scripts.base_loss" in out  # the evaluations come after training
