@@ -9,6 +9,8 @@ float64 here and accumulate far more precisely than bf16 can hold, so float64 ar
 one rounding per op stands for it.
 """
 
+import math
+
 import ml_dtypes
 import numpy as np
 
@@ -103,26 +105,22 @@ def torch_matrices(kernel) -> list[np.ndarray]:
 # forward (CUDA autocast, wte stored in bf16, eager rounding of every op's result).
 def randomized(config, seed: int = 0):
     """A GPT whose every parameter is random and O(1)-scaled, so that no part of the forward is a no-op
-    (at init the projections are zero and x0_lambdas too)."""
-    import math
-
+    (at init the projections are zero and x0_lambdas too). Drawn by NumPy into the model's abstract shapes:
+    no program is compiled (an initialisation draws with threefry, ~2 s to compile for a small GPT)."""
     import jax
     from flax import nnx
 
-    from jaxchat.gpt import GPT
+    from jaxchat.gpt import abstract_model
 
-    model = GPT(config, rngs=nnx.Rngs(seed))
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    new = [
-        (jax.random.normal(k, x.shape) * (0.5 if x.ndim == 1 else 1 / math.sqrt(x.shape[0]))
-         + (1.0 if x.ndim == 1 else 0.0))
-        for k, x in zip(keys, leaves)
-    ]
+    model = abstract_model(config)
     state = nnx.state(model, nnx.Param)
-    nnx.replace_by_pure_dict(state, jax.tree.unflatten(treedef, new))
-    nnx.update(model, state)
+    rng = np.random.default_rng(seed)
+
+    def draw(x):
+        scale, offset = (0.5, 1.0) if len(x.shape) == 1 else (1 / math.sqrt(x.shape[0]), 0.0)
+        return jax.numpy.asarray(rng.standard_normal(x.shape) * scale + offset, x.dtype)
+
+    nnx.update(model, jax.tree.map(draw, state))
     return model
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from compiled import forward, new_model
 from nanochat_numpy import np_forward, randomized
 from jaxchat.attention import causal_attention
 from jaxchat.gpt import GPT, CausalSelfAttention, GPTConfig
@@ -50,7 +51,7 @@ def test_d20_parameter_count_and_flops():
 
 def test_windowed_small_config_flops():
     config = GPTConfig(sequence_len=64, vocab_size=1000, n_layer=5, n_head=2, n_kv_head=1, n_embd=64, window_pattern="SSL")
-    model = GPT(config, rngs=nnx.Rngs(0))
+    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
     n = model.num_scaling_params()
     C, V, kv = 64, 1024, 1 * 32  # vocabulary padded to a multiple of 64; one key/value head of 32
     assert n == 2 * V * C + 5 * (C * C + 2 * C * kv + C * C + 8 * C * C) + 2 * 5
@@ -61,7 +62,7 @@ def test_windowed_small_config_flops():
 def test_vocab_padding_and_init_table():
     config = GPTConfig(sequence_len=8, vocab_size=1000, n_layer=2, n_head=2, n_kv_head=2, n_embd=256)
     assert config.padded_vocab_size == 1024
-    sd = to_nanochat_state_dict(GPT(config, rngs=nnx.Rngs(0)))
+    sd = to_nanochat_state_dict(new_model(config))
     assert sd["transformer.wte.weight"].shape == (1024, 256)
     assert abs(sd["transformer.wte.weight"].std() - 1.0) < 0.01
     assert abs(sd["lm_head.weight"].std() - 0.001) < 1e-4
@@ -80,7 +81,7 @@ def test_vocab_padding_and_init_table():
 def test_logits_match_float64_numpy_reference():
     model = randomized(TINY)
     idx = np.random.default_rng(0).integers(0, TINY.vocab_size, size=(2, TINY.sequence_len))
-    logits = np.asarray(model(jnp.asarray(idx)))
+    logits = np.asarray(forward(model, jnp.asarray(idx)))
     assert logits.shape == (2, TINY.sequence_len, TINY.vocab_size) and logits.dtype == np.float32
     ref = np_forward(to_nanochat_state_dict(model), TINY, idx)
     rel = np.linalg.norm(logits - ref) / np.linalg.norm(ref)
@@ -95,11 +96,11 @@ def test_loss_ignores_minus_one_and_none_reduction():
     targets[0, :5] = -1
     targets[1, 7] = -1
     ref = np_cross_entropy(np_forward(to_nanochat_state_dict(model), TINY, idx), targets)
-    per_token = np.asarray(model(jnp.asarray(idx), jnp.asarray(targets), loss_reduction="none"))
+    per_token = np.asarray(forward(model, jnp.asarray(idx), jnp.asarray(targets), loss_reduction="none"))
     assert per_token.shape == (2, 12)
     np.testing.assert_allclose(per_token, ref, rtol=1e-5, atol=1e-5)
     assert (per_token[targets < 0] == 0).all()
-    mean = float(model(jnp.asarray(idx), jnp.asarray(targets)))
+    mean = float(forward(model, jnp.asarray(idx), jnp.asarray(targets)))
     np.testing.assert_allclose(mean, ref[targets >= 0].mean(), rtol=1e-5)
 
 
@@ -108,13 +109,14 @@ def test_window_semantics_in_attention():
     T, w = 16, 4
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.normal(size=(1, T, 2, 8)), jnp.float32) for _ in range(3))
-    base = causal_attention(q, k, v, window=w)
+    attention = jax.jit(causal_attention, static_argnames="window")
+    base = attention(q, k, v, window=w)
     i = 12
     far = i - w - 1  # outside the window: no effect on position i
     near = i - w  # the oldest key inside the window
     for pos, should_change in ((far, False), (near, True), (i, True)):
         k2, v2 = k.at[:, pos].add(1.0), v.at[:, pos].add(1.0)
-        out = causal_attention(q, k2, v2, window=w)
+        out = attention(q, k2, v2, window=w)
         changed = not np.allclose(out[:, i], base[:, i], atol=1e-6)
         assert changed == should_change, (pos, changed)
         assert np.allclose(out[:, :pos], base[:, :pos], atol=1e-6)  # causality
@@ -129,15 +131,16 @@ def test_window_semantics_in_model_layers():
     from jaxchat.gpt import rotary_cos_sin
 
     cos, sin = rotary_cos_sin(jnp.arange(16), config.head_dim)
-    base = attn(x, cos, sin)
-    out = attn(x.at[:, 15 - 9].add(1.0), cos, sin)
+    layer = nnx.jit(lambda attn, x: attn(x, cos, sin))
+    base = layer(attn, x)
+    out = layer(attn, x.at[:, 15 - 9].add(1.0))
     np.testing.assert_allclose(out[:, 15], base[:, 15], atol=1e-6)  # 9 back: outside window 8
-    out = attn(x.at[:, 15 - 8].add(1.0), cos, sin)
+    out = layer(attn, x.at[:, 15 - 8].add(1.0))
     assert not np.allclose(out[:, 15], base[:, 15], atol=1e-6)
     # the whole model sees everything through its last (full) layer
     idx = jnp.arange(16)[None] % 64
-    full = model(idx)
-    assert not np.allclose(model(idx.at[:, 0].set(63))[:, 15], full[:, 15], atol=1e-6)
+    full = forward(model, idx)
+    assert not np.allclose(forward(model, idx.at[:, 0].set(63))[:, 15], full[:, 15], atol=1e-6)
 
 
 def test_gqa_equals_repeated_heads():
@@ -153,7 +156,7 @@ def test_gqa_equals_repeated_heads():
     mha_config = GPTConfig(**{**config.__dict__, "n_kv_head": config.n_head})
     mha = from_nanochat_state_dict(mha_config, sd)
     idx = jnp.asarray(np.random.default_rng(0).integers(0, 64, size=(2, 16)))
-    np.testing.assert_allclose(gqa(idx), mha(idx), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(forward(gqa, idx), forward(mha, idx), rtol=1e-5, atol=1e-5)
 
 
 # ---- KV cache -------------------------------------------------------------------------------------
@@ -164,7 +167,7 @@ def test_kv_cache_decode_equals_full_forward(prompt_len):
     model = randomized(config, seed=11)
     total = 24
     idx = jnp.asarray(np.random.default_rng(2).integers(0, 64, size=(2, total)))
-    full = model(idx)  # (2, total, V): the reference, one forward over the whole sequence
+    full = forward(model, idx)  # (2, total, V): the reference, one forward over the whole sequence
     cache = model.init_cache(batch_size=2, max_len=32)
     decode = nnx.jit(lambda m, x, c: m.decode(x, c))
     logits, cache = decode(model, idx[:, :prompt_len], cache)
@@ -176,7 +179,7 @@ def test_kv_cache_decode_equals_full_forward(prompt_len):
 
 
 def test_cache_longer_than_rotary_range_is_refused():
-    model = GPT(TINY, rngs=nnx.Rngs(0))
+    model = nnx.eval_shape(lambda: GPT(TINY, rngs=nnx.Rngs(0)))  # refused before any array is made
     with pytest.raises(ValueError, match="rotary"):
         model.init_cache(1, 10 * TINY.sequence_len + 1)
 
@@ -206,7 +209,7 @@ def test_remat_policies_give_the_same_gradients_and_keep_less():
         def loss(p):
             return nnx.merge(graphdef, p)(idx, targets)
 
-        grads[policy] = jax.tree.leaves(jax.grad(loss)(params))
+        grads[policy] = jax.tree.leaves(jax.jit(jax.grad(loss))(params))
         vjp_fn = jax.eval_shape(lambda p: jax.vjp(loss, p)[1], params)  # its leaves are the saved residuals
         kept[policy] = sum(math.prod(r.shape) * r.dtype.itemsize for r in jax.tree.leaves(vjp_fn))
     for policy in ("dots", "block"):

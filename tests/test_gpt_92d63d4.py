@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from compiled import forward, new_model
 from nanochat_numpy import np_forward, randomized
 from jaxchat import checkpoint as ckpt
 from jaxchat.engine import Engine
@@ -35,7 +36,7 @@ def tiny(n_layer: int, sequence_len: int = 256) -> GPTConfig:
 
 
 def random_model(config: GPTConfig, seed: int) -> GPT:
-    """Every parameter random (conftest.randomized), the smear and backout strengths set to moderate values:
+    """Every parameter random (nanochat_numpy.randomized), the smear and backout strengths set to moderate values:
     randomized draws vectors around 1, and a backout of ~1 could cancel most of the residual."""
     model = randomized(config, seed)
     model.smear_lambda[...] = jnp.asarray([0.7])
@@ -63,6 +64,8 @@ def test_logits_match_float64_numpy_reference(n_layer):
     # SSSL tiled: L on layers 3, 7, ..; the last layer always full
     assert config.window_sizes() == tuple(256 if i % 4 == 3 or i == n_layer - 1 else 128 for i in range(n_layer))
     idx = np.random.default_rng(n_layer).integers(0, config.vocab_size, size=(1, config.sequence_len))
+    # eager, op by op: the compiled forward of this model is ~1e-5 off the float64 one here (n_layer 4, seed 4:
+    # 2.4e-5, over this bound; the eager one 3e-7), from differences of ~1e-7 per layer (not yet understood)
     logits = np.asarray(model(jnp.asarray(idx)))
     ref = np_forward(to_nanochat_state_dict(model), config, idx, recipe=RECIPE)
     bdcc030 = np_forward(to_nanochat_state_dict(model), dataclasses.replace(config, recipe="bdcc030"), idx)
@@ -74,7 +77,7 @@ def test_logits_match_float64_numpy_reference(n_layer):
 
 def test_features_are_on_where_nanochat_puts_them():
     config = tiny(5)
-    params = nnx.to_pure_dict(nnx.state(GPT(config, rngs=nnx.Rngs(0)), nnx.Param))
+    params = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0))), nnx.Param))
     assert sorted(params["value_embeds"]) == ["0", "2", "4"]  # i % 2 == (5 - 1) % 2: the last layer has one
     assert [("ve_gate" in params["blocks"][i]["attn"]) for i in range(5)] == [True, False, True, False, True]
     assert params["value_embeds"]["4"]["embedding"].shape == (128, 2 * 8)  # padded vocab x n_kv_head*head_dim
@@ -92,7 +95,7 @@ def test_kv_cache_decode_equals_full_forward(prompt_len):
     model = random_model(config, seed=11)
     total = 140
     idx = jnp.asarray(np.random.default_rng(2).integers(0, config.vocab_size, size=(2, total)))
-    full = np.asarray(model(idx))
+    full = np.asarray(forward(model, idx))
     decode = nnx.jit(lambda m, x, c: m.decode(x, c))
     logits, cache = decode(model, idx[:, :prompt_len], model.init_cache(batch_size=2, max_len=256))
     steps = [np.asarray(logits)]
@@ -103,7 +106,7 @@ def test_kv_cache_decode_equals_full_forward(prompt_len):
     tol = 2 * float32_tolerance(config, total) * np.abs(full).max()
     np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=0, atol=tol)
     # without the smear's carried embedding, the first decoded token would differ by far more
-    no_smear = model.decode(idx[:, prompt_len:prompt_len + 1],
+    no_smear = decode(model, idx[:, prompt_len:prompt_len + 1],
                             decode(model, idx[:, :prompt_len], model.init_cache(2, 256))[1].replace(
                                 prev_embedding=jnp.zeros((2, 1, config.n_embd))))[0]
     assert np.abs(np.asarray(no_smear)[:, 0] - full[:, prompt_len]).max() > 100 * tol
@@ -119,7 +122,7 @@ def test_engine_greedy_equals_argmax_of_the_full_forward():
                                                                                      max_tokens=6, temperature=0.0)
     assert sequences[0] == sequences[1] and len(sequences[0]) == len(prompt) + 6
     # each generated token is the argmax of one full forward over the whole sequence at the position before it
-    logits = np.asarray(model(jnp.asarray(sequences[:1])))[0]
+    logits = np.asarray(forward(model, jnp.asarray(sequences[:1])))[0]
     assert sequences[0][len(prompt):] == [int(np.argmax(logits[t])) for t in range(len(prompt) - 1, len(prompt) + 5)]
 
 
@@ -170,7 +173,7 @@ def test_depth_rule_rounds_the_width_up_to_whole_heads():
 # ---- init -----------------------------------------------------------------------------------------
 def test_init_table():
     config = GPTConfig(sequence_len=64, vocab_size=1000, n_layer=4, n_head=2, n_kv_head=2, n_embd=256, recipe=RECIPE)
-    sd = to_nanochat_state_dict(GPT(config, rngs=nnx.Rngs(0)))
+    sd = to_nanochat_state_dict(new_model(config))
     b = math.sqrt(3 / 256)
 
     def check_std(w, std):  # a sample std of n draws is within 5 standard errors (std / sqrt(2n)) of the truth
@@ -291,7 +294,7 @@ def test_export_to_nanochat_and_back(tmp_path):
     sd = {k: v.float().numpy() for k, v in raw.items()}
     idx = np.random.default_rng(3).integers(0, config.vocab_size, (1, 32))
     theirs = np_forward(sd, config, idx, recipe=RECIPE)
-    ours = np.asarray(bf16_tables(model)(jnp.asarray(idx)))
+    ours = np.asarray(forward(bf16_tables(model), jnp.asarray(idx)))
     assert np.linalg.norm(ours - theirs) / np.linalg.norm(theirs) < float32_tolerance(config, 32)
 
     # --import reads that commit's model_<step>.pt: the recipe told by the names, the weights exact
