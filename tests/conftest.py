@@ -5,8 +5,10 @@ versions of nanochat's maths are tests/nanochat_numpy.py."""
 
 import os
 import socket
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 
 # LLVM at -O0 for the CPU code XLA emits: the suite compiles hundreds of small programs (eager ops, one
@@ -21,6 +23,12 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), FAST_COMPILE_XLA_FLAGS,
                                     "--xla_force_host_platform_device_count=8"]).strip()
 os.environ.setdefault("WANDB_MODE", "disabled")
+# One persistent XLA compilation cache for the session: this process, pytest-xdist's workers (they inherit the
+# variable, set here in the controller before they start) and every JAX process a test starts (subprocess_env).
+# Tests compile the same programs more than once: a train step per in-process run of scripts.train, a script's
+# programs at each start. Programs that compile in under 0.2 s (an eager operation: ~0.05 s) are not written.
+SESSION_XLA_CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxchat-tests-xla-"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import re  # noqa: E402
 
@@ -60,17 +68,21 @@ def make_base_dir(builtin_docs):
     return make
 
 
+def pytest_sessionfinish(session):
+    """The session's compilation cache goes with it (by the controller, once its workers are done)."""
+    if not hasattr(session.config, "workerinput"):
+        shutil.rmtree(SESSION_XLA_CACHE, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
-def subprocess_env(tmp_path_factory):
+def subprocess_env():
     """env(**overrides) -> the environment for a subprocess that runs JAX (a script, a worker): this
-    process's, unbuffered, with one persistent XLA compilation cache for the whole session. Compiling is
-    most of a short run's time: a run resumed later, or any run of the same program, loads it instead."""
-    cache = str(tmp_path_factory.mktemp("xla_cache"))
+    process's (so the session's compilation cache), unbuffered, every program written to the cache. Compiling
+    is most of a short run's time: a run resumed later, or any run of the same program, loads it instead."""
 
     def env(**overrides: str) -> dict[str, str]:
-        return {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_COMPILATION_CACHE_DIR": cache,
-                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-                **overrides}
+        return {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", **overrides}
 
     return env
 

@@ -23,13 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from compiled import new_model
 from conftest import TRAIN_STEP_LINE, VAL_BPB_LINE
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxchat import checkpoint as ckpt
 from jaxchat.common import tree_nbytes
-from jaxchat.gpt import GPT, GPTConfig
+from jaxchat.gpt import GPTConfig
 from jaxchat.mesh import make_mesh, put_batch, batch_sharding, replicated
 from jaxchat.optim import setup_optimizer
 from jaxchat.run_lock import RunLockedError, acquire_run_lock
@@ -50,7 +51,7 @@ def trained_state(seed: int = 0, steps: int = 2):
 @functools.cache
 def _trained_state(seed: int, steps: int):
     optimizer, update = _optimizer_and_update()
-    params = nnx.state(GPT(CONFIG, rngs=nnx.Rngs(seed)), nnx.Param)
+    params = nnx.state(new_model(CONFIG, seed), nnx.Param)
     opt_state = optimizer.init(params)
     for i in range(steps):
         params, opt_state = update(params, opt_state, i)
@@ -682,7 +683,7 @@ def test_tree_nbytes_counts_every_leaf():
 # ---- loading a model for inference ---------------------------------------------------------------
 
 def test_load_model_from_metadata_alone(tmp_path, capsys):
-    model = GPT(CONFIG, rngs=nnx.Rngs(5))
+    model = new_model(CONFIG, 5)
     params, opt_state = nnx.state(model, nnx.Param), trained_state(steps=0)[1]
     directory = ckpt.checkpoint_dir(None, CONFIG.n_layer, str(tmp_path))
     with ckpt.RunCheckpoints(directory) as saver:

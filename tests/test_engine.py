@@ -4,7 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from compiled import forward
+from nanochat_numpy import randomized
 
 from jaxchat import engine as engine_module
 from jaxchat.engine import Engine
@@ -24,13 +25,7 @@ def tokenizer() -> Tokenizer:
 @pytest.fixture(scope="module")
 def model() -> GPT:
     """Every parameter random and O(1) (at init the projections are zero), so every layer matters."""
-    model = GPT(CONFIG, rngs=nnx.Rngs(0))
-    state = nnx.state(model, nnx.Param)
-    leaves, treedef = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(1), len(leaves))
-    leaves = [jax.random.normal(k, x.shape) / np.sqrt(x.shape[0]) + (x.ndim == 1) for k, x in zip(keys, leaves)]
-    nnx.update(model, jax.tree.unflatten(treedef, leaves))
-    return model
+    return randomized(CONFIG, seed=1)
 
 
 def greedy_by_full_forward(model: GPT, prompt: list[int], max_tokens: int, length: int = 48) -> list[int]:
@@ -100,7 +95,7 @@ def test_first_tokens_follow_the_tempered_distribution(model, tokenizer, top_k):
     eng = Engine(model, tokenizer, stop_tokens=set())
     samples, _ = eng.generate_batch(PROMPTS[0], num_samples=n, max_tokens=1, temperature=temperature, top_k=top_k)
     counts = np.bincount([row[-1] for row in samples], minlength=CONFIG.vocab_size)
-    logits = np.asarray(model(jnp.asarray([PROMPTS[0]]))[0, -1], np.float64) / temperature
+    logits = np.asarray(forward(model, jnp.asarray([PROMPTS[0]]))[0, -1], np.float64) / temperature
     if top_k is not None:
         logits[np.argsort(logits)[:-top_k]] = -np.inf
     p = np.exp(logits - logits.max())

@@ -21,24 +21,25 @@ def command(*args: str) -> list[str]:
     return [sys.executable, "-m", "scripts.gpu_check", *args]
 
 
-def environment(tmp_path) -> dict:
-    return {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu",
-            "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache")}
+@pytest.fixture
+def environment(subprocess_env) -> dict:
+    """The session's subprocess environment (its compilation cache: the three runs share programs), on the CPU."""
+    return subprocess_env(PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
 
 
-def test_refuses_without_a_gpu(tmp_path):
+def test_refuses_without_a_gpu(tmp_path, environment):
     report = tmp_path / "gpu.json"
-    done = subprocess.run(command("--json", str(report)), cwd=REPO, env=environment(tmp_path), capture_output=True,
+    done = subprocess.run(command("--json", str(report)), cwd=REPO, env=environment, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2
     assert "no GPU" in done.stderr and "--allow-cpu" in done.stderr
     assert not report.exists()
 
 
-def test_every_measurement_on_the_cpu(tmp_path):
+def test_every_measurement_on_the_cpu(tmp_path, environment):
     report = tmp_path / "gpu.json"
     run = subprocess.Popen(command("--allow-cpu", "--json", str(report), "--steps", "2"), cwd=REPO,
-                           env=environment(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                           env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = []  # the number of measurements in the report each time it is read during the run
     while run.poll() is None:
         if report.exists():
@@ -76,10 +77,10 @@ def test_every_measurement_on_the_cpu(tmp_path):
     assert items["flags_off"]["result"]["defaults_speedup"] == rows[0]["tok_per_s"] / items["flags_off"]["result"]["tok_per_s"]
 
 
-def test_what_does_not_fit_the_budget_is_skipped(tmp_path):
+def test_what_does_not_fit_the_budget_is_skipped(tmp_path, environment):
     report = tmp_path / "gpu.json"
     done = subprocess.run(command("--allow-cpu", "--json", str(report), "--budget-s", "1", "--only", "memory_d20",
-                                  "step_d20"), cwd=REPO, env=environment(tmp_path), capture_output=True, text=True,
+                                  "step_d20"), cwd=REPO, env=environment, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
     items = json.loads(report.read_text())["items"]
@@ -88,18 +89,18 @@ def test_what_does_not_fit_the_budget_is_skipped(tmp_path):
     assert "budget left" in items[1]["error"]
 
 
-def test_compile_only_says_what_to_install(tmp_path):
+def test_compile_only_says_what_to_install(tmp_path, environment):
     from jaxchat.runtime import cuda_plugin_installed
 
     if cuda_plugin_installed():
         pytest.skip("JAX's CUDA plugin is installed here: test_compile_only_for_h100s runs instead")
     done = subprocess.run(command("--compile-only", "--depth", "2", "--json", str(tmp_path / "c.json")), cwd=REPO,
-                          env=environment(tmp_path), capture_output=True, text=True, timeout=120)
+                          env=environment, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "cuda12" in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
-def test_compile_only_for_h100s(tmp_path):
+def test_compile_only_for_h100s(tmp_path, environment):
     """The d2 step compiled for 1 and 2 H100s (no GPU): one report each, with cuDNN attention run once
     forward and once backward per layer (--remat dots keeps its results), the first layer's short window
     (T/2 = 128, which XLA counts with the diagonal: 129) and the last layer's full context (0), and
@@ -111,7 +112,7 @@ def test_compile_only_for_h100s(tmp_path):
     report = tmp_path / "c.json"
     done = subprocess.run(command("--compile-only", "--depth", "2", "--max-seq-len", "256", "--device-batch-size", "2",
                                   "--vocab-size", "1024", "--devices", "1", "2", "--remat", "dots", "--json", str(report)),
-                          cwd=REPO, env=environment(tmp_path), capture_output=True, text=True, timeout=600)
+                          cwd=REPO, env=environment, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     reports = json.loads(report.read_text())["reports"]
     assert [r["devices"] for r in reports] == [1, 2]

@@ -3,10 +3,9 @@ that are >= 0 and have token_bytes > 0, over ln 2 x the bytes of those targets (
 
 import math
 
-import jax
 import numpy as np
 import pytest
-from flax import nnx
+from compiled import forward, new_model
 
 from jaxchat import loss_eval
 from jaxchat.gpt import GPT, GPTConfig
@@ -20,8 +19,8 @@ SPECIALS = (BOS, OTHER_SPECIAL)
 
 def model_with_random_head(seed: int) -> GPT:
     """lm_head at init is nearly zero; a random one makes every position's loss different."""
-    model = GPT(CONFIG, rngs=nnx.Rngs(seed))
-    model.lm_head.kernel[...] = jax.random.normal(jax.random.key(seed), model.lm_head.kernel.shape)
+    model = new_model(CONFIG, seed)
+    model.lm_head.kernel[...] = np.random.default_rng(seed).standard_normal(model.lm_head.kernel.shape, np.float32)
     return model
 
 
@@ -49,7 +48,7 @@ def make_batches(num: int, rows: int = 16, seed: int = 0) -> list[tuple[np.ndarr
 def hand_bpb(model: GPT, batches, token_bytes) -> float:
     nats, num_bytes = 0.0, 0
     for inputs, targets in batches:
-        logits = np.asarray(model(inputs), np.float64)  # (B, T, V)
+        logits = np.asarray(forward(model, inputs), np.float64)  # (B, T, V)
         for b in range(inputs.shape[0]):
             for t in range(inputs.shape[1]):
                 y = int(targets[b, t])
