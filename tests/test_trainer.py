@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from jaxchat.gpt import GPTConfig
 from jaxchat.mesh import DATA_AXIS, SHARDED, batch_sharding, logical_to_spec, make_mesh, put_batch
 from jaxchat.optim import Optimizer, ParamLayout, setup_optimizer
-from jaxchat.trainer import abstract_model, init_train_state, make_train_step
+from jaxchat.trainer import abstract_model, abstract_train_state, init_train_state, make_train_step
 from multiprocess_worker import train_losses
 
 CONFIG = GPTConfig(sequence_len=32, vocab_size=256, n_layer=2, n_head=2, n_kv_head=2, n_embd=64, window_pattern="SL")
@@ -67,8 +67,11 @@ def initial_params():
 
 
 def run_steps(mesh, optimizer, batches, fsdp=False):
-    state = init_train_state(CONFIG, optimizer, mesh, fsdp=fsdp, seed=3)
+    # the shapes and shardings of init_train_state, with initial_params() in place of its initialisation
+    # (the same program each time, but each mesh and optimizer would compile it anew: ~2 s of threefry)
+    state = abstract_train_state(CONFIG, optimizer, mesh, fsdp=fsdp, seed=3)
     state.params = jax.device_put(initial_params(), state.param_shardings)
+    state.opt_state = jax.jit(optimizer.init, out_shardings=state.opt_shardings)(state.params)
     step = make_train_step(state, optimizer, mesh)
     spec = batch_sharding(mesh)
     losses = []
