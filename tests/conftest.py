@@ -19,9 +19,16 @@ import threading
 # 7e-7 apart relative on 8), within every tolerance here, which is derived from float32 rounding, not
 # from one optimisation level's bits. Subprocesses that run JAX inherit it (subprocess_env).
 FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
+def host_xla_flags(devices: int) -> str:
+    """XLA_FLAGS of a JAX process standing for a host of `devices` CPU devices, compiling as the suite does
+    (a subprocess given its own XLA_FLAGS would otherwise lose the -O0)."""
+    return f"{FAST_COMPILE_XLA_FLAGS} --xla_force_host_platform_device_count={devices}"
+
+
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), FAST_COMPILE_XLA_FLAGS,
-                                    "--xla_force_host_platform_device_count=8"]).strip()
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), host_xla_flags(8)]).strip()
 os.environ.setdefault("WANDB_MODE", "disabled")
 # One persistent XLA compilation cache for the session: this process, pytest-xdist's workers (they inherit the
 # variable, set here in the controller before they start) and every JAX process a test starts (subprocess_env).

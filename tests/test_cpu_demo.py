@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FAST_COMPILE_XLA_FLAGS
+from conftest import host_xla_flags
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,7 +22,7 @@ def newcomer_env(tmp_path_factory, subprocess_env) -> dict[str, str]:
                          JAXCHAT_DEMO_PYTHON=sys.executable,
                          PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     env.pop("JAXCHAT_BASE_DIR", None)
-    env["XLA_FLAGS"] = FAST_COMPILE_XLA_FLAGS  # one CPU device, as a laptop
+    env["XLA_FLAGS"] = host_xla_flags(1)  # one CPU device, as a laptop
     return env
 
 

@@ -12,7 +12,7 @@ from flax import nnx
 from compiled import forward, new_model
 from nanochat_numpy import np_forward, randomized
 from jaxchat.attention import causal_attention
-from jaxchat.gpt import GPT, CausalSelfAttention, GPTConfig
+from jaxchat.gpt import GPT, CausalSelfAttention, GPTConfig, abstract_model
 from jaxchat.interop import from_nanochat_state_dict, to_nanochat_state_dict
 
 TINY = GPTConfig(sequence_len=16, vocab_size=100, n_layer=3, n_head=4, n_kv_head=2, n_embd=32, window_pattern="SL")
@@ -41,7 +41,7 @@ def spec_flops(config: GPTConfig, n_params: int) -> int:
 
 def test_d20_parameter_count_and_flops():
     config = GPTConfig(sequence_len=2048, vocab_size=65536, n_layer=20, n_head=10, n_kv_head=10, n_embd=1280)
-    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))  # shapes only: no memory spent
+    model = abstract_model(config)  # shapes only: no memory spent
     assert model.num_scaling_params() == 560_988_200
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     assert params["wte"]["embedding"].shape == (65536, 1280)
@@ -51,7 +51,7 @@ def test_d20_parameter_count_and_flops():
 
 def test_windowed_small_config_flops():
     config = GPTConfig(sequence_len=64, vocab_size=1000, n_layer=5, n_head=2, n_kv_head=1, n_embd=64, window_pattern="SSL")
-    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    model = abstract_model(config)
     n = model.num_scaling_params()
     C, V, kv = 64, 1024, 1 * 32  # vocabulary padded to a multiple of 64; one key/value head of 32
     assert n == 2 * V * C + 5 * (C * C + 2 * C * kv + C * C + 8 * C * C) + 2 * 5
@@ -179,7 +179,7 @@ def test_kv_cache_decode_equals_full_forward(prompt_len):
 
 
 def test_cache_longer_than_rotary_range_is_refused():
-    model = nnx.eval_shape(lambda: GPT(TINY, rngs=nnx.Rngs(0)))  # refused before any array is made
+    model = abstract_model(TINY)  # refused before any array is made
     with pytest.raises(ValueError, match="rotary"):
         model.init_cache(1, 10 * TINY.sequence_len + 1)
 
@@ -204,7 +204,7 @@ def test_remat_policies_give_the_same_gradients_and_keep_less():
     targets = jnp.asarray(rng.integers(0, TINY.vocab_size, size=(2, TINY.sequence_len)))
     grads, kept = {}, {}
     for policy in ("none", "dots", "block"):
-        graphdef, _ = nnx.split(nnx.eval_shape(lambda: GPT(TINY, rngs=nnx.Rngs(0), dtype=jnp.float32, remat=policy)))
+        graphdef, _ = nnx.split(abstract_model(TINY, dtype=jnp.float32, remat=policy))
 
         def loss(p):
             return nnx.merge(graphdef, p)(idx, targets)

@@ -18,7 +18,7 @@ from compiled import forward, new_model
 from nanochat_numpy import np_forward, randomized
 from jaxchat import checkpoint as ckpt
 from jaxchat.engine import Engine
-from jaxchat.gpt import GPT, GPTConfig, count_params
+from jaxchat.gpt import GPT, GPTConfig, abstract_model, count_params
 from jaxchat.interop import META_KEYS_OF_RECIPE, to_nanochat_state_dict
 from jaxchat.optim import Horizon, ParamLayout, setup_optimizer
 from jaxchat.tokenizer import Tokenizer
@@ -78,7 +78,7 @@ def test_logits_match_float64_numpy_reference(n_layer):
 
 def test_features_are_on_where_nanochat_puts_them():
     config = tiny(5)
-    params = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0))), nnx.Param))
+    params = nnx.to_pure_dict(nnx.state(abstract_model(config), nnx.Param))
     assert sorted(params["value_embeds"]) == ["0", "2", "4"]  # i % 2 == (5 - 1) % 2: the last layer has one
     assert [("ve_gate" in params["blocks"][i]["attn"]) for i in range(5)] == [True, False, True, False, True]
     assert params["value_embeds"]["4"]["embedding"].shape == (128, 2 * 8)  # padded vocab x n_kv_head*head_dim
@@ -108,8 +108,8 @@ def test_kv_cache_decode_equals_full_forward(prompt_len):
     np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=0, atol=tol)
     # without the smear's carried embedding, the first decoded token would differ by far more
     no_smear = decode(model, idx[:, prompt_len:prompt_len + 1],
-                            decode(model, idx[:, :prompt_len], model.init_cache(2, 256))[1].replace(
-                                prev_embedding=jnp.zeros((2, 1, config.n_embd))))[0]
+                      decode(model, idx[:, :prompt_len], model.init_cache(2, 256))[1].replace(
+                          prev_embedding=jnp.zeros((2, 1, config.n_embd))))[0]
     assert np.abs(np.asarray(no_smear)[:, 0] - full[:, prompt_len]).max() > 100 * tol
 
 
@@ -130,7 +130,7 @@ def test_engine_greedy_equals_argmax_of_the_full_forward():
 # ---- counts and FLOPs -----------------------------------------------------------------------------
 def counts(depth: int) -> tuple[int, int, int]:
     config = GPTConfig.from_depth(depth, 32768, recipe=RECIPE)
-    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    model = abstract_model(config)
     return count_params(nnx.state(model, nnx.Param)), model.num_scaling_params(), model.estimate_flops()
 
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import FAST_COMPILE_XLA_FLAGS, TRAIN_STEP_LINE, VAL_BPB_LINE
+from conftest import TRAIN_STEP_LINE, VAL_BPB_LINE, host_xla_flags
 from etils import epath
 
 from jaxchat import report
@@ -112,7 +112,7 @@ def test_unreachable_core_bundle_stops_before_training(tmp_path, start_train, fr
     assert "--core-metric-every=-1" in out
 
 
-ONE_DEVICE_XLA_FLAGS = f"{FAST_COMPILE_XLA_FLAGS} --xla_force_host_platform_device_count=1"  # a host of one CPU
+ONE_DEVICE_XLA_FLAGS = host_xla_flags(1)  # a host of one CPU
 
 
 def start_two_processes(base_dir, start_train, port, *flags) -> list:

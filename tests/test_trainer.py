@@ -19,6 +19,7 @@ from jaxchat.gpt import GPTConfig
 from jaxchat.mesh import DATA_AXIS, SHARDED, batch_sharding, logical_to_spec, make_mesh, put_batch
 from jaxchat.optim import Optimizer, ParamLayout, setup_optimizer
 from jaxchat.trainer import abstract_model, abstract_train_state, init_train_state, make_train_step
+from conftest import host_xla_flags
 from multiprocess_worker import train_losses
 
 CONFIG = GPTConfig(sequence_len=32, vocab_size=256, n_layer=2, n_head=2, n_kv_head=2, n_embd=64, window_pattern="SL")
@@ -201,7 +202,7 @@ def test_no_recompilation_while_schedules_move(caplog):
 
 def start_worker(subprocess_env, process_id, port) -> subprocess.Popen:
     """One of 2 jax.distributed processes of 2 CPU devices each."""
-    env = subprocess_env(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    env = subprocess_env(JAX_PLATFORMS="cpu", XLA_FLAGS=host_xla_flags(2),
                          JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
                          JAX_PROCESS_ID=str(process_id))
     return subprocess.Popen([sys.executable, os.path.join(HERE, "multiprocess_worker.py")], env=env,
