@@ -113,11 +113,14 @@ def test_unreachable_core_bundle_stops_before_training(tmp_path, start_train, fr
 
 
 ONE_DEVICE_XLA_FLAGS = host_xla_flags(1)  # a host of one CPU
+# its sitecustomize lets process 1 write the compilation cache too (see the comment above PAIR_STEPS)
+EVERY_PROCESS_CACHES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "every_process_caches")
 
 
 def start_two_processes(base_dir, start_train, port, *flags) -> list:
     """scripts.train as two hosts of one CPU device each (jax.distributed on 127.0.0.1): their Popens."""
     return [start_train(base_dir, *flags, JAX_PLATFORMS="cpu", XLA_FLAGS=ONE_DEVICE_XLA_FLAGS,
+                        PYTHONPATH=EVERY_PROCESS_CACHES,
                         JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
                         JAX_PROCESS_ID=str(process_id))
             for process_id in range(2)]
@@ -136,10 +139,10 @@ def train_two_processes(base_dir, start_train, port, *flags) -> str:
 # Two hosts, end to end. The reference is one uninterrupted pair, started as sbatch starts runs/multihost_slurm.sh.
 # One more run, 'requeued', is started three times as a requeued SLURM job is (a new pair of processes each time,
 # the same flags, --resume-from-step=latest): process 1 of the first pair is killed, process 1 of the second gets
-# SIGTERM, the third pair finishes. Starting a pair is what costs (8-10 s on a shared 2-core machine): JAX writes its
-# persistent compilation cache from process 0 only, and process 1's cache key differs from process 0's (it hashes
-# the device topology as that process sees it), so process 1 compiles every program at every start. Hence four
-# pair starts serve the four tests below, rather than a pair of runs each.
+# SIGTERM, the third pair finishes. Starting a pair is what costs (11-15 s on a 2-core machine): JAX writes its
+# persistent compilation cache from process 0 only, and process 1's cache keys differ from process 0's (they hash
+# the process index), so process 1 would compile every program at every start; tests/every_process_caches lets it
+# write them too. Hence four pair starts serve the four tests below, rather than a pair of runs each.
 PAIR_STEPS = 10
 PAIR_FLAGS = ["--depth=2", "--max-seq-len=64", "--device-batch-size=4", "--total-batch-size=512",
               f"--num-iterations={PAIR_STEPS}", f"--eval-every={PAIR_STEPS}", "--eval-tokens=512",  # bpb at 0 and 10
@@ -184,7 +187,7 @@ def run_slurm_script(base_dir, bin_dir, subprocess_env, *flags) -> subprocess.Co
         SLURM_SUBMIT_DIR=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         SLURM_JOB_ID=slurm_job_id_with_a_free_port(), SLURM_JOB_NUM_NODES="2", SLURM_GPUS_ON_NODE="1",
         SLURM_NTASKS="2", SLURM_STEP_NODELIST="127.0.0.1,127.0.0.1", SLURM_STEP_NUM_NODES="2",
-        JAX_PLATFORMS="cpu", XLA_FLAGS=ONE_DEVICE_XLA_FLAGS)
+        JAX_PLATFORMS="cpu", XLA_FLAGS=ONE_DEVICE_XLA_FLAGS, PYTHONPATH=EVERY_PROCESS_CACHES)
     env.pop("JAX_COORDINATOR_ADDRESS", None)
     script = os.path.join(env["SLURM_SUBMIT_DIR"], "runs", "multihost_slurm.sh")
     return subprocess.run(["bash", script, *flags], env=env, capture_output=True, text=True, timeout=300)
