@@ -739,7 +739,8 @@ TRAIN_STEPS = 12
 TRAIN_FLAGS = ["--depth=2", "--max-seq-len=64", "--device-batch-size=2", "--total-batch-size=512",  # 2 micro-steps
                "--num-devices=2", f"--num-iterations={TRAIN_STEPS}", "--warmup-ratio=0.1", "--eval-every=6",
                "--eval-tokens=512", "--core-metric-every=-1", "--save-every=5", f"--sample-every={TRAIN_STEPS}",
-               "--loader-workers=1", "--device-type=cpu", "--model-tag=whole"]
+               "--loader-workers=1", "--device-type=cpu", "--model-tag=whole",
+               "--run=checkpoint-test"]  # a wandb run, so that its logging runs too (conftest: WANDB_MODE=disabled)
 
 
 @pytest.fixture(scope="module")
