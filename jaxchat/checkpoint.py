@@ -46,14 +46,13 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from jaxchat.checkpoint_meta import CHECKPOINTS_SUBDIR, TRAINING_META_KEYS, TrainingMeta, default_model_tag
+from jaxchat.checkpoint_meta import CHECKPOINTS_SUBDIR, LATEST, TRAINING_META_KEYS, TrainingMeta, default_model_tag
 from jaxchat.common import base_dir_hint, get_base_dir, key_name, print0
 from jaxchat.gpt import DEFAULT_RECIPE, GPT, GPTConfig, abstract_model
 from jaxchat.interop import read_nanochat_meta
 from jaxchat.mesh import make_mesh, replicated
 from jaxchat.run_lock import RunLock, RunLockedError, acquire_run_lock
 
-LATEST = "latest"  # restore(step=LATEST): the newest complete checkpoint
 # TRAINING_META_KEYS: checked when saving, so a wiring mistake shows at the first save rather than at the resume
 # Which train flag sets each model_config field, for messages about a mismatch.
 CONFIG_FLAGS = {"recipe": "--recipe", "n_layer": "--depth", "n_embd": "--depth and --aspect-ratio",
@@ -90,19 +89,6 @@ class SaveFailedError(CheckpointError):
 def checkpoint_dir(model_tag: str | None, depth: int, base_dir: str | None = None) -> str:
     """`<base_dir>/base_checkpoints/<model_tag or d{depth}>`, as nanochat."""
     return os.path.join(base_dir or get_base_dir(), CHECKPOINTS_SUBDIR, model_tag or default_model_tag(depth))
-
-
-def parse_resume_step(text: str) -> int | str:
-    """argparse type for --resume-from-step: a step number, -1 (do not resume) or 'latest'."""
-    if text.strip().lower() == LATEST:
-        return LATEST
-    try:
-        step = int(text)
-    except ValueError:
-        raise ValueError(f"--resume-from-step takes a step number, -1 (start fresh) or '{LATEST}', got {text!r}") from None
-    if step < -1:
-        raise ValueError(f"--resume-from-step {step}: steps are >= 0 (or -1 to start fresh, '{LATEST}' for the newest)")
-    return step
 
 
 def check_writable(directory: str, bytes_needed: int = 0) -> None:

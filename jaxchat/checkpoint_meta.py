@@ -1,6 +1,7 @@
 """Checkpoint names and metadata in one place: where a run's checkpoints live (nanochat's layout of a
-base dir), nanochat's file names, and what a training checkpoint's metadata holds. jaxchat.checkpoint
-(Orbax), jaxchat.interop (nanochat's files) and scripts.export read them here.
+base dir), nanochat's file names, what a training checkpoint's metadata holds, and --resume-from-step's
+values. jaxchat.checkpoint (Orbax), jaxchat.interop (nanochat's files), jaxchat.settings and scripts.export
+read them here (the settings without importing Orbax or grain).
 
     <base_dir>/base_checkpoints/<model_tag or d<depth>>/        jaxchat: one Orbax step directory per step
     <nanochat_dir>/base_checkpoints/<model_tag>/model_<step:06d>.pt, meta_<step:06d>.json    nanochat
@@ -14,6 +15,22 @@ TOKENIZER_SUBDIR = "tokenizer"  # under a base dir, jaxchat's and nanochat's ali
 # nanochat's checkpoint files (nanochat/checkpoint_manager.py at bdcc030): the weights (.pt; jaxchat's export
 # also writes .safetensors) and the metadata of one step
 NANOCHAT_WEIGHTS_FILE = re.compile(r"model_(\d+)\.(pt|safetensors)$")
+
+
+LATEST = "latest"  # --resume-from-step latest, restore(step=LATEST): the newest complete checkpoint
+
+
+def parse_resume_step(text: str) -> int | str:
+    """argparse type for --resume-from-step: a step number, -1 (do not resume) or 'latest'."""
+    if text.strip().lower() == LATEST:
+        return LATEST
+    try:
+        step = int(text)
+    except ValueError:
+        raise ValueError(f"--resume-from-step takes a step number, -1 (start fresh) or '{LATEST}', got {text!r}") from None
+    if step < -1:
+        raise ValueError(f"--resume-from-step {step}: steps are >= 0 (or -1 to start fresh, '{LATEST}' for the newest)")
+    return step
 
 
 def default_model_tag(depth: int) -> str:

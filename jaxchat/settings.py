@@ -15,7 +15,7 @@ import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxchat.checkpoint import parse_resume_step
+from jaxchat.checkpoint_meta import parse_resume_step
 from jaxchat.fp8 import RECIPES as FP8_RECIPES
 from jaxchat.gpt import DEFAULT_RECIPE, REMAT_POLICIES, check_window_pattern, width_and_heads
 from jaxchat.shards import DEFAULT_CORPUS, get_data_dir

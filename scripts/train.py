@@ -184,7 +184,8 @@ def setup(settings: RunSettings, gpu_defaults_set: list[str] | None) -> Session:
     """Run, data, checkpoints (checked writable before any compute), the state (restored or fresh), logging."""
     import numpy as np
 
-    from jaxchat.checkpoint import LATEST, RunCheckpoints, check_writable, checkpoint_dir, load_init_params
+    from jaxchat.checkpoint import RunCheckpoints, check_writable, checkpoint_dir, load_init_params
+    from jaxchat.checkpoint_meta import LATEST
     from jaxchat.common import DummyWandb, get_base_dir, is_master, peak_flops_per_device, print0, tree_nbytes
     from jaxchat.report import get_report
     from jaxchat.train_loop import LoopPolicy, LoopState, StepLogger

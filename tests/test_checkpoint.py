@@ -29,6 +29,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxchat import checkpoint as ckpt
+from jaxchat.checkpoint_meta import parse_resume_step
 from jaxchat.common import tree_nbytes
 from jaxchat.gpt import GPTConfig
 from jaxchat.mesh import make_mesh, put_batch, batch_sharding, replicated
@@ -649,12 +650,12 @@ def test_max_to_keep_and_replacing_newer_steps(tmp_path, capsys):
 
 
 def test_parse_resume_step():
-    assert ckpt.parse_resume_step("latest") == ckpt.LATEST
-    assert ckpt.parse_resume_step("120") == 120
-    assert ckpt.parse_resume_step("-1") == -1
+    assert parse_resume_step("latest") == ckpt.LATEST
+    assert parse_resume_step("120") == 120
+    assert parse_resume_step("-1") == -1
     for bad in ("newest", "-3", "1.5"):
         with pytest.raises(ValueError, match="resume-from-step"):
-            ckpt.parse_resume_step(bad)
+            parse_resume_step(bad)
 
 
 def test_checkpoint_dir_follows_nanochat(tmp_path):
