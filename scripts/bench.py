@@ -380,6 +380,8 @@ def main(argv: list[str] | None = None) -> None:
     memory.add_argument("--attention", choices=["cudnn", "xla"], default="cudnn")
     memory.add_argument("--device-gb", type=float, default=80.0, help="device memory to compare with, GiB")
     args = parser.parse_args(argv)
+    if args.json:  # its folder made now, not found missing once the measurements are done
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     if args.what == "memory":
         use_virtual_cpus(args.devices)
     quiet_jax_warnings()

@@ -466,6 +466,8 @@ def main(argv: list[str] | None = None) -> None:
 
     add_setting_flags(parser)  # scripts.train's; --device-batch-size also sizes the d12/d20 steps of a GPU run
     args = parser.parse_args(argv)
+    if args.json:  # its folder made now, not found missing once the measurements are done
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     if args.compile_only:
         sys.exit(run_compile_only(args))
     sys.exit(run_item(args) if args.item else run_all(args))

@@ -78,7 +78,7 @@ def test_every_measurement_on_the_cpu(tmp_path, environment):
 
 
 def test_what_does_not_fit_the_budget_is_skipped(tmp_path, environment):
-    report = tmp_path / "gpu.json"
+    report = tmp_path / "reports" / "gpu.json"  # in a folder not yet made: the script makes it
     done = subprocess.run(command("--allow-cpu", "--json", str(report), "--budget-s", "1", "--only", "memory_d20",
                                   "step_d20"), cwd=REPO, env=environment, capture_output=True, text=True,
                           timeout=120)
