@@ -3,6 +3,7 @@ temporary name beside its target and renames them all once every one is written,
 (a full disk, a directory that is not writable, an error halfway) leaves the targets as they were.
 
     check_writable_dir(directory)            # before anything is written: fails with why
+    make_parent_dir(report_path)             # the same, and the folder made (a report written at the end)
     with StagedFiles() as staged:
         torch.save(state_dict, staged.path(model_path))
         write_json(meta, staged.path(meta_path))
@@ -28,6 +29,14 @@ def check_writable_dir(directory: str) -> None:
         raise OSError(e.errno, f"cannot write into {directory} ({e.strerror} in {existing})") from e
     os.close(fd)
     os.remove(probe)
+
+
+def make_parent_dir(path: str) -> None:
+    """The folder that `path` is to be written into, made now: a report written after minutes of measuring
+    must not find it missing then. OSError, with what is in the way, if files cannot be created there."""
+    directory = os.path.dirname(os.path.abspath(path))
+    check_writable_dir(directory)
+    os.makedirs(directory, exist_ok=True)
 
 
 class StagedFiles:

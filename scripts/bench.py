@@ -44,13 +44,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxchat.common import format_table, quiet_jax_warnings, tree_nbytes
+from jaxchat.common import fail, format_table, quiet_jax_warnings, tree_nbytes
 from jaxchat.engine import Engine
 from jaxchat.gpt import GPT, REMAT_POLICIES, GPTConfig
 from jaxchat.hlo import SLICED_ALL_REDUCE
 from jaxchat.memory import memory_estimate
 from jaxchat.run import RunSettings, build_run
 from jaxchat.runtime import GPU_MEMORY_FRACTION
+from jaxchat.staged_files import make_parent_dir
 from jaxchat.step_timing import time_train_step
 
 TARGET_TOKENS_PER_S = 1e6  # what a d20 run on 8 H100s consumes per host
@@ -380,8 +381,11 @@ def main(argv: list[str] | None = None) -> None:
     memory.add_argument("--attention", choices=["cudnn", "xla"], default="cudnn")
     memory.add_argument("--device-gb", type=float, default=80.0, help="device memory to compare with, GiB")
     args = parser.parse_args(argv)
-    if args.json:  # its folder made now, not found missing once the measurements are done
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    if args.json:
+        try:
+            make_parent_dir(args.json)
+        except OSError as e:
+            fail(f"--json {args.json}: {e}")
     if args.what == "memory":
         use_virtual_cpus(args.devices)
     quiet_jax_warnings()

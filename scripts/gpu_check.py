@@ -462,12 +462,17 @@ def main(argv: list[str] | None = None) -> None:
                         help="run every measurement without jaxchat's GPU runtime defaults")
     parser.add_argument("--item", default=None, help=argparse.SUPPRESS)  # child mode
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    from jaxchat.common import fail
     from jaxchat.settings import add_setting_flags
+    from jaxchat.staged_files import make_parent_dir
 
     add_setting_flags(parser)  # scripts.train's; --device-batch-size also sizes the d12/d20 steps of a GPU run
     args = parser.parse_args(argv)
-    if args.json:  # its folder made now, not found missing once the measurements are done
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    if args.json:
+        try:
+            make_parent_dir(args.json)
+        except OSError as e:
+            fail(f"--json {args.json}: {e}")
     if args.compile_only:
         sys.exit(run_compile_only(args))
     sys.exit(run_item(args) if args.item else run_all(args))

@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxchat import checkpoint as ckpt
-from jaxchat.checkpoint_meta import parse_resume_step
+from jaxchat.checkpoint_meta import LATEST, parse_resume_step
 from jaxchat.common import tree_nbytes
 from jaxchat.gpt import GPTConfig
 from jaxchat.mesh import make_mesh, put_batch, batch_sharding, replicated
@@ -650,7 +650,7 @@ def test_max_to_keep_and_replacing_newer_steps(tmp_path, capsys):
 
 
 def test_parse_resume_step():
-    assert parse_resume_step("latest") == ckpt.LATEST
+    assert parse_resume_step("latest") == LATEST
     assert parse_resume_step("120") == 120
     assert parse_resume_step("-1") == -1
     for bad in ("newest", "-3", "1.5"):

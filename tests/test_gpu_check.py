@@ -89,6 +89,18 @@ def test_what_does_not_fit_the_budget_is_skipped(tmp_path, environment):
     assert "budget left" in items[1]["error"]
 
 
+def test_a_report_folder_that_cannot_be_made_gets_one_line(tmp_path, capsys):
+    """In this process: main stops before measuring anything (a file stands where the folder would be)."""
+    from scripts.gpu_check import main
+
+    (tmp_path / "reports").write_text("not a folder")
+    with pytest.raises(SystemExit) as stopped:
+        main(["--allow-cpu", "--json", str(tmp_path / "reports" / "gpu.json")])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --json ") and "is a file, not a directory" in err and err.count("\n") == 1, err
+
+
 def test_compile_only_says_what_to_install(tmp_path, environment):
     from jaxchat.runtime import cuda_plugin_installed
 
