@@ -1,6 +1,8 @@
 """Files that appear whole, together, or not at all: an export writes each of its files under a
 temporary name beside its target and renames them all once every one is written, so that a failure
-(a full disk, a directory that is not writable, an error halfway) leaves the targets as they were.
+(a full disk, a directory that is not writable, an error halfway, one of the renames) leaves the targets
+as they were. Each file is flushed to disk (fsync) before it takes its target's name, and its directory
+after, so that a crash just after the export cannot leave a target empty or the old one back.
 
     check_writable_dir(directory)            # before anything is written: fails with why
     make_parent_dir(report_path)             # the same, and the folder made (a report written at the end)
@@ -67,9 +69,39 @@ class StagedFiles:
 
     def __exit__(self, exc_type, exc, traceback) -> None:
         if exc_type is None:
-            for temporary, target in self._renames:
-                os.replace(temporary, target)
+            self._commit()
             return
+        self._discard()
+
+    def _commit(self) -> None:
+        """Every temporary onto its target; an earlier target is kept under a backup name until all are in
+        place, and put back if a rename fails (then the temporaries are removed and the error raised)."""
+        for temporary, _ in self._renames:
+            _fsync(temporary)
+        done: list[tuple[str, str | None]] = []  # (target, its backup or None) in the order renamed
+        try:
+            for temporary, target in self._renames:
+                backup = None
+                if os.path.exists(target):
+                    backup = f"{temporary}.previous"
+                    os.replace(target, backup)
+                done.append((target, backup))
+                os.replace(temporary, target)
+        except BaseException:
+            for target, backup in reversed(done):
+                if backup is not None:
+                    os.replace(backup, target)
+                elif os.path.exists(target):
+                    os.remove(target)
+            self._discard()
+            raise
+        for _, backup in done:
+            if backup is not None:
+                os.remove(backup)
+        for directory in sorted({os.path.dirname(os.path.abspath(target)) for _, target in self._renames}):
+            _fsync(directory)
+
+    def _discard(self) -> None:
         for temporary, _ in self._renames:
             if os.path.exists(temporary):
                 os.remove(temporary)
@@ -78,3 +110,12 @@ class StagedFiles:
                 os.rmdir(d)
             except OSError:  # something else was put there meanwhile: not ours to remove
                 pass
+
+
+def _fsync(path: str) -> None:
+    """A file's data, or a directory's entries, onto the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
