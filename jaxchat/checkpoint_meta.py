@@ -1,20 +1,55 @@
-"""Checkpoint names and metadata in one place: where a run's checkpoints live (nanochat's layout of a
-base dir), nanochat's file names, what a training checkpoint's metadata holds, and --resume-from-step's
-values. jaxchat.checkpoint (Orbax), jaxchat.interop (nanochat's files), jaxchat.settings and scripts.export
-read them here (the settings without importing Orbax or grain).
+"""Checkpoint names, metadata and errors in one place: where a run's checkpoints live (nanochat's layout of
+a base dir), nanochat's file names, what a training checkpoint's metadata holds, --resume-from-step's values,
+and what can go wrong with checkpoints. jaxchat.checkpoint (Orbax), jaxchat.run_directory, jaxchat.interop
+(nanochat's files), jaxchat.settings and scripts.export read them here (the settings without importing Orbax
+or grain).
 
     <base_dir>/base_checkpoints/<model_tag or d<depth>>/        jaxchat: one Orbax step directory per step
     <nanochat_dir>/base_checkpoints/<model_tag>/model_<step:06d>.pt, meta_<step:06d>.json    nanochat
 """
 
 import dataclasses
+import hashlib
+import json
 import re
+
+from jaxchat.gpt import DEFAULT_RECIPE, GPTConfig
+
+# Which train flag sets each model_config field, for messages about a mismatch.
+CONFIG_FLAGS = {"recipe": "--recipe", "n_layer": "--depth", "n_embd": "--depth and --aspect-ratio",
+                "n_head": "--head-dim", "n_kv_head": "--head-dim", "sequence_len": "--max-seq-len", "window_pattern": "--window-pattern",
+                "vocab_size": "the tokenizer"}
 
 CHECKPOINTS_SUBDIR = "base_checkpoints"  # under a base dir, jaxchat's and nanochat's alike
 TOKENIZER_SUBDIR = "tokenizer"  # under a base dir, jaxchat's and nanochat's alike
 # nanochat's checkpoint files (nanochat/checkpoint_manager.py at bdcc030): the weights (.pt; jaxchat's export
 # also writes .safetensors) and the metadata of one step
 NANOCHAT_WEIGHTS_FILE = re.compile(r"model_(\d+)\.(pt|safetensors)$")
+
+
+class CheckpointError(Exception):
+    """Anything a user must fix about checkpoints; the message says what and how."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """The checkpoint is complete but belongs to another model, tokenizer or number of processes."""
+
+
+class IncompleteCheckpointError(CheckpointError, ValueError):
+    """A step's files are provably incomplete or corrupt (missing, cut short, undecodable): it is damaged."""
+
+
+class StepUnreadableError(CheckpointError):
+    """Reading a step failed for a reason that is not the step's (out of memory, an I/O error, a permission):
+    the run stops, and nothing is skipped, moved or deleted."""
+
+
+class NoCheckpointError(CheckpointError, FileNotFoundError):
+    """No (complete) checkpoint where one was asked for."""
+
+
+class SaveFailedError(CheckpointError):
+    """Writing a step failed (no space, permission lost): the previous complete step is still the newest."""
 
 
 LATEST = "latest"  # --resume-from-step latest, restore(step=LATEST): the newest complete checkpoint
@@ -61,3 +96,67 @@ class TrainingMeta:
 
 # What a training checkpoint's metadata must hold for an exact resume (the step is the checkpoint's own)
 TRAINING_META_KEYS = tuple(f.name for f in dataclasses.fields(TrainingMeta) if f.name != "step")
+
+
+# ---- what a checkpoint records, and whether it is this run's -------------------------------------
+
+def tokenizer_info(tokenizer) -> dict:
+    """What a checkpoint records of its tokenizer: the vocabulary size and a hash of the vocabulary
+    itself (merges in rank order, split pattern, special tokens), so a retrained tokenizer of the
+    same size is told apart."""
+    digest = hashlib.sha256(tokenizer.pattern.encode())
+    for token in sorted(tokenizer.mergeable_ranks, key=tokenizer.mergeable_ranks.get):
+        digest.update(len(token).to_bytes(2, "little") + token)
+    digest.update(json.dumps(tokenizer.special_tokens, sort_keys=True).encode())
+    return {"vocab_size": tokenizer.get_vocab_size(), "sha256": digest.hexdigest()}
+
+
+def training_meta(loop_meta: dict, model_config: GPTConfig, settings, tokenizer) -> dict:
+    """A training checkpoint's metadata (a TrainingMeta, as JSON): the loop's state (LoopState.to_meta),
+    the model config, the run's settings (a jaxchat.settings.RunSettings: its command line as user_config,
+    its recipe among them) and the tokenizer's identity."""
+    return dataclasses.asdict(TrainingMeta(
+        **loop_meta, model_config=dataclasses.asdict(model_config), user_config=settings.user_config(),
+        device_batch_size=settings.device_batch_size, max_seq_len=settings.max_seq_len,
+        tokenizer=tokenizer_info(tokenizer)))
+
+
+def config_differences(saved: dict, model_config: GPTConfig | dict) -> list[str]:
+    """Each model_config field where a checkpoint's differs from this run's, with the flag that sets it."""
+    wanted = model_config if isinstance(model_config, dict) else dataclasses.asdict(model_config)
+    # a model_config without a recipe is from before recipes: the default one
+    saved, wanted = ({**config, "recipe": config.get("recipe", DEFAULT_RECIPE)} for config in (saved, wanted))
+    return [f"{key}: checkpoint {saved.get(key)!r}, this run {wanted.get(key)!r} (set by {CONFIG_FLAGS.get(key, key)})"
+            for key in sorted(set(saved) | set(wanted)) if saved.get(key) != wanted.get(key)]
+
+
+def check_compatible(meta: dict, model_config: GPTConfig | dict | None = None, tokenizer=None,
+                     where: str = "the checkpoint") -> None:
+    """Raises CheckpointMismatchError, naming every difference and what to do, if the checkpoint's
+    model config differs from this run's or its vocabulary from the tokenizer on disk."""
+    saved = meta["model_config"]
+    problems = []
+    if model_config is not None:
+        wanted = model_config if isinstance(model_config, dict) else dataclasses.asdict(model_config)
+        # (no recipe: from before recipes, the default one) another recipe is another model: one message for it
+        saved_recipe, wanted_recipe = (config.get("recipe", DEFAULT_RECIPE) for config in (saved, wanted))
+        if saved_recipe != wanted_recipe:
+            raise CheckpointMismatchError(
+                f"{where} holds a --recipe {saved_recipe} model, this run builds --recipe {wanted_recipe}: pass "
+                f"--recipe {saved_recipe} to continue or load it, or start a new run under another --model-tag")
+        problems = config_differences(saved, wanted)
+    if tokenizer is not None:
+        vocab_size = tokenizer.get_vocab_size()
+        recorded = meta.get("tokenizer") or {}
+        if saved["vocab_size"] != vocab_size:
+            problems.append(f"tokenizer: the checkpoint was trained with a vocabulary of {saved['vocab_size']} tokens, "
+                            f"the tokenizer on disk has {vocab_size}")
+        elif recorded.get("sha256") and recorded["sha256"] != tokenizer_info(tokenizer)["sha256"]:
+            problems.append(f"tokenizer: same size ({vocab_size}) but a different vocabulary than the one the "
+                            "checkpoint was trained with (the tokenizer was retrained since)")
+    if problems:
+        raise CheckpointMismatchError(
+            f"{where} does not match this run:\n  " + "\n  ".join(problems) + "\n"
+            "To continue that run, use the flags it was started with (its meta 'user_config' lists them) and its "
+            "tokenizer; to start a new run, drop --resume-from-step or choose another --model-tag."
+        )

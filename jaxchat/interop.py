@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxchat.checkpoint_meta import NANOCHAT_WEIGHTS_FILE, nanochat_files
+from jaxchat.checkpoint_meta import NANOCHAT_WEIGHTS_FILE, TOKENIZER_SUBDIR, nanochat_files
 from jaxchat.gpt import GPT, RECIPES, GPTConfig, abstract_model
 from jaxchat.staged_files import StagedFiles
 from jaxchat.tokenizer import Tokenizer
@@ -241,6 +241,12 @@ def default_meta_path(weights_path: str) -> str:
     if not match:
         raise ValueError(f"cannot tell the step of {weights_path} (not model_<step>.pt or .safetensors): pass --meta")
     return os.path.join(os.path.dirname(weights_path), nanochat_files(int(match.group(1)))[1])
+
+
+def nanochat_tokenizer_path(weights_path: str) -> str:
+    """tokenizer/tokenizer.pkl of the nanochat base dir that holds base_checkpoints/<tag>/model_<step>.pt."""
+    nanochat_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(weights_path))))
+    return os.path.join(nanochat_dir, TOKENIZER_SUBDIR, TOKENIZER_PICKLE)
 
 
 def read_nanochat_meta(weights_path: str, meta_path: str | None) -> tuple[dict, str]:

@@ -16,7 +16,6 @@ A (data, model) mesh is one more table mapping 'heads'/'mlp'/'vocab' to 'model'.
 """
 
 import os
-import time
 from collections.abc import Mapping
 
 import jax
@@ -33,18 +32,14 @@ BATCH_AXES = ("accum", "batch", "seq")
 BATCH_RULES: Rules = {"batch": DATA_AXIS}
 
 
-# A process that sends the coordination service no heartbeat for this long is dead (JAX's default: 100 s).
-# The service then ends every other process (a native abort, status 134): a lost peer whose death no
-# collective reports (a hang rather than an error) ends the job within this time rather than after 100 s.
-# Heartbeats come from a thread of their own, so long compilations and steps do not miss them.
+# The default of --heartbeat-timeout: a process that sends the coordination service no heartbeat for this long
+# is dead (JAX's own default: 100 s). The service then ends every other process (a native abort, status 134): a
+# lost peer whose death no collective reports (a hang rather than an error) ends the job within this time rather
+# than after 100 s. Heartbeats come from a thread of their own, so long compilations and steps do not miss them.
 HEARTBEAT_TIMEOUT_S = 20
-# How long a survivor's roll call (missing_processes) waits for the other survivors to answer; well inside
-# HEARTBEAT_TIMEOUT_S, so that the survivors have named the lost process and left before the service ends them.
-ROLL_CALL_WAIT_S = 2.0
-_ROLL_CALL_KEY = "jaxchat/roll_call/"
 
 
-def maybe_initialize_distributed() -> bool:
+def maybe_initialize_distributed(heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S) -> bool:
     """Start jax.distributed when the environment describes several processes.
 
     SLURM (srun with more than one task) is detected by JAX itself; elsewhere set
@@ -56,31 +51,13 @@ def maybe_initialize_distributed() -> bool:
             coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
             num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
             process_id=int(os.environ["JAX_PROCESS_ID"]),
-            heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+            heartbeat_timeout_seconds=heartbeat_timeout_s,
         )
         return True
     if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in os.environ:
-        jax.distributed.initialize(heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)
+        jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout_s)
         return True
     return False
-
-
-def missing_processes(wait_s: float = ROLL_CALL_WAIT_S) -> list[int] | None:
-    """After a collective failed: the processes that do not answer a roll call in the coordination
-    service's key-value store within wait_s (each survivor writes its id, then reads who else did).
-    None when the store itself cannot be reached (the coordinator, process 0, is the one lost)."""
-    from jax._src import distributed  # the client that jax.distributed started (as Orbax reaches it)
-
-    client = distributed.global_state.client
-    if client is None:
-        return None
-    try:
-        client.key_value_set(f"{_ROLL_CALL_KEY}{jax.process_index()}", "alive")
-        time.sleep(wait_s)
-        answered = {int(key.rsplit("/", 1)[-1]) for key, _ in client.key_value_dir_get(_ROLL_CALL_KEY)}
-    except Exception:  # noqa: BLE001 -- the store's RPC errors: it is gone, and with it process 0
-        return None
-    return [i for i in range(jax.process_count()) if i not in answered]
 
 
 def make_mesh(num_devices: int | None = None, devices: list | None = None) -> Mesh:

@@ -3,8 +3,11 @@
 The lock is flock(2) on an open file: the kernel releases it when the process exits, however it
 exits (a crash, SIGKILL, a lost node), so a lock is never stale and nothing has to clean it up. The
 holder writes its host, pid and start time into the file, for the message another run gets.
-(flock works on local filesystems; on NFS, Linux emulates it with byte-range locks, which the server
-enforces across hosts.)
+What the lock cannot see: flock works on local filesystems, and on NFS Linux emulates it with byte-range
+locks that the server enforces across hosts; but a lock held by a node that died stays held until the
+server's lease for that node runs out (NFSv4: about 90 s), and filesystems without locks (NFS mounted
+`nolock`, Lustre without `-o flock`, many FUSE mounts) refuse flock: then the run stops with one line
+saying so, and `--no-lock` runs without the lock (the user then makes sure that one run writes at a time).
 """
 
 import datetime
@@ -16,8 +19,16 @@ import socket
 LOCK_FILE = "run.lock"
 
 
-class RunLockedError(RuntimeError):
+class RunLockError(RuntimeError):
+    """The run directory's lock could not be taken; the message says why and what to do."""
+
+
+class RunLockedError(RunLockError):
     """Another live process holds the run directory; the message names it and what to do."""
+
+
+class RunLockUnavailableError(RunLockError):
+    """The filesystem does not lock (flock fails with ENOLCK, EOPNOTSUPP, ...)."""
 
 
 class RunLock:
@@ -45,9 +56,12 @@ def acquire_run_lock(directory: str) -> RunLock:
         raise RunLockedError(
             f"{directory} is in use by another run ({holder}; lock file {path}): wait for it to finish or stop it, "
             "or train under another --model-tag") from None
-    except OSError:
+    except OSError as e:  # no locks on this filesystem (ENOLCK, EOPNOTSUPP, ENOSYS, ...)
         os.close(fd)
-        raise
+        raise RunLockUnavailableError(
+            f"cannot lock {directory} ({e.strerror or e}): its filesystem does not support locks (NFS mounted "
+            "nolock, Lustre without -o flock, FUSE). Make sure no other run writes there, then start again with "
+            "--no-lock") from None
     holder = {"host": socket.gethostname(), "pid": os.getpid(),
               "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     os.ftruncate(fd, 0)

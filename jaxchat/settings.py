@@ -15,8 +15,9 @@ import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxchat.checkpoint_meta import parse_resume_step
+from jaxchat.checkpoint_meta import LATEST, parse_resume_step
 from jaxchat.fp8 import RECIPES as FP8_RECIPES
+from jaxchat.mesh import HEARTBEAT_TIMEOUT_S
 from jaxchat.gpt import DEFAULT_RECIPE, REMAT_POLICIES, check_window_pattern, width_and_heads
 from jaxchat.shards import DEFAULT_CORPUS, get_data_dir
 
@@ -146,8 +147,11 @@ class RunSettings:
     save_every: int = setting(-1, "save checkpoints every N steps (-1 = only at end)", "Evaluation", off="off")
     # Output
     model_tag: str | None = setting(None, "override model tag for checkpoint directory name", "Output")
-    overwrite: bool = setting(False, "replace the checkpoints of an earlier run under this model tag (deleted once "
-                              "this run's first checkpoint is complete)", "Output", nanochat=False)
+    overwrite: bool = setting(False, "replace the checkpoints of an earlier run under this model tag, or with "
+                              "--resume-from-step N the steps newer than N (set aside, deleted once this run's first "
+                              "checkpoint is complete)", "Output", nanochat=False)
+    no_lock: bool = setting(False, "write the run directory without its lock, on filesystems that have none (then make "
+                            "sure that one run writes there at a time)", "Output", nanochat=False)
     # JAX only
     num_devices: int = setting(-1, "devices in the mesh, over all processes (-1 = all)", "JAX", nanochat=False, off="all")
     fsdp: bool = setting(False, "shard parameters over the data axis too (ZeRO-3), for depths whose state does "
@@ -158,6 +162,9 @@ class RunSettings:
     keep_checkpoints: int = setting(-1, "keep only the newest N checkpoints (-1 = all)", "JAX", nanochat=False, off="all")
     attention: str = setting("auto", "attention kernel (auto: cudnn on NVIDIA GPUs, xla elsewhere)", "JAX",
                              nanochat=False, choices=("auto", "cudnn", "xla"))
+    heartbeat_timeout: int = setting(HEARTBEAT_TIMEOUT_S, "seconds without a heartbeat after which the coordination "
+                                     "service declares a process of a multi-process run lost and ends the others",
+                                     "JAX", nanochat=False, positive=True)
     loader_workers: int = setting(4, "threads reading and tokenising data", "JAX", nanochat=False)
     remat: str = setting("auto", "what each block keeps for the backward pass: everything, matmul outputs, or its "
                          "input only (auto: the first of none, dots, block whose estimated memory fits the device, "
@@ -203,8 +210,14 @@ class RunSettings:
         if self.fp8_recipe not in FP8_RECIPES:
             raise SettingsError(f"--fp8-recipe {self.fp8_recipe!r} is not supported: only 'tensorwise' (one scale per "
                                 "tensor), as nanochat's own fp8.py; rowwise needs the full torchao library there")
-        if self.overwrite and self.resume_from_step != -1:
-            raise SettingsError("--overwrite starts a new run and --resume-from-step continues one: pass one of them")
+        if self.overwrite and self.resume_from_step == LATEST:
+            raise SettingsError("--overwrite with --resume-from-step latest: 'latest' continues from the newest step, "
+                                "which replaces nothing; --overwrite is for a new run, or for resuming an older step "
+                                "(--resume-from-step N), whose newer steps it sets aside")
+        if self.init_from and self.resume_from_step not in (-1, LATEST):
+            raise SettingsError(f"--init-from starts a new run from given weights and --resume-from-step "
+                                f"{self.resume_from_step} continues this one: pass one of them (with --resume-from-step "
+                                "latest, --init-from applies to a requeued job's first start only)")
         try:
             check_window_pattern(self.window_pattern)
         except ValueError as e:

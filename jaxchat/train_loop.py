@@ -7,7 +7,6 @@ The step loop runs num_iterations + 1 times (as base_train.py): the last pass on
 """
 
 import dataclasses
-import re
 import signal
 import time
 
@@ -28,7 +27,8 @@ EXIT_SAVE_FAILED = 74
 # Exit status of a process of a multi-process run whose peer died (a lost node, an OOM kill; EX_UNAVAILABLE):
 # the step in flight is lost, the newest complete checkpoint is intact (an unfinished save is never
 # renamed to its step, so 'latest' does not pick it), and restarting every process with
-# --resume-from-step=latest carries the run on exactly.
+# --resume-from-step=latest carries the run on exactly. Decided by the error's type and the processes that
+# answer (jaxchat.multihost); where no collective reports the loss, JAX's own abort ends the job (status 134).
 EXIT_PEER_LOST = 69
 EMA_BETA = 0.9  # smoothing of the printed training loss
 # Steps 0..TIMING_WARMUP_STEPS compile and warm up: their time is left out of total_training_time, the
@@ -134,22 +134,6 @@ class StopSignals:
         """This step's vote: 1 (a device scalar, replicated) if any process has received a signal."""
         local = np.full((self._local_devices,), bool(self.received), np.int32)
         return self._any(jax.make_array_from_process_local_data(self._sharding, local))
-
-
-# What a failed collective says when its peer process is gone: Gloo's (CPU) and NCCL's errors, the
-# coordination service's. Matched in the message of the error and of its causes.
-_PEER_FAILURE = re.compile(r"gloo|nccl|connection (reset|closed|refused)|heartbeat|unavailable|broken pipe", re.I)
-
-
-def is_peer_failure(error: BaseException) -> bool:
-    """Whether error (or one of its causes) is a collective failing because another process is gone."""
-    if jax.process_count() == 1:
-        return False
-    while error is not None:
-        if _PEER_FAILURE.search(str(error)):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
 
 
 class StepLogger:

@@ -8,6 +8,7 @@
 #   sbatch runs/multihost_slurm.sh --depth=26        # arguments: more flags for scripts.train (they win)
 #
 #   JAXCHAT_PYTHON   a Python with jaxchat installed, instead of this checkout's .venv (the tests)
+#   JAXCHAT_MAX_REQUEUES   how often a job that keeps losing processes (status 69, 134) queues itself again (3)
 #
 # Before the first job, once, from a login or compute node: the virtual environment, the data and the
 # tokenizer, as runs/speedrun.sh makes them (its first three sections). Everything below must be on a
@@ -29,7 +30,8 @@
 # --requeue and --signal: SLURM sends SIGTERM 3 minutes before the time limit (or on preemption); the
 # processes agree on a step to stop at (even if only some got the signal), save it, and the requeued job's
 # --resume-from-step=latest continues from it. A task that dies makes the others exit with 69 within
-# seconds (jaxchat/train_loop.py's EXIT_PEER_LOST): the job fails fast, and a requeue resumes it exactly.
+# seconds (jaxchat/train_loop.py's EXIT_PEER_LOST), or 134 once the heartbeat timeout passes where no
+# collective reports it: the job requeues itself (below), and the requeued job resumes exactly.
 set -euo pipefail
 cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
 
@@ -57,8 +59,21 @@ status=0
 srun --ntasks-per-node=1 --wait=60 "$PYTHON" -m scripts.train --depth=20 \
     --device-batch-size="$DEVICE_BATCH" --save-every=500 --keep-checkpoints=2 --resume-from-step=latest \
     --run="$WANDB_RUN" "$@" || status=$?
-# stopped by SIGTERM (time limit): the checkpoint is saved; queue the job again rather than evaluate a half run
-if [ "$status" -eq 75 ]; then
+# What the exit status says (scripts/train.py, jaxchat/train_loop.py), and what carries the run on:
+#   75   stopped by SIGTERM (time limit, preemption) after saving its checkpoint
+#   69   a process lost a peer (a node died, an OOM kill); the newest complete checkpoint is intact
+#   134  JAX's own abort: the coordination service lost a process (process 0, or one whose loss no collective
+#        reported) within --heartbeat-timeout
+# Each is carried on by this same job: queue it again (--resume-from-step=latest continues exactly) rather than
+# evaluate a half run. A job that keeps losing processes is queued again at most JAXCHAT_MAX_REQUEUES times
+# (default 3; SLURM counts its restarts in SLURM_RESTART_COUNT); a time limit requeues it always.
+requeue=0
+case "$status" in
+    75) requeue=1 ;;
+    69|134) [ "${SLURM_RESTART_COUNT:-0}" -lt "${JAXCHAT_MAX_REQUEUES:-3}" ] && requeue=1 ;;
+esac
+if [ "$requeue" = 1 ]; then
+    echo "training exited with status $status: queueing job $SLURM_JOB_ID again to resume from its newest checkpoint"
     scontrol requeue "$SLURM_JOB_ID" || true  # (on preemption SLURM requeues it already)
     exit 0
 fi

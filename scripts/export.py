@@ -34,14 +34,15 @@ import os
 import safetensors.numpy
 from flax import nnx
 
-from jaxchat.checkpoint import CheckpointError, RunCheckpoints, find_model_tag, load_model, tokenizer_info
-from jaxchat.checkpoint_meta import (CHECKPOINTS_SUBDIR, TOKENIZER_SUBDIR, TRAINING_META_KEYS,
-                                     default_model_tag, nanochat_files)
+from jaxchat.checkpoint import RunCheckpoints
+from jaxchat.checkpoint_meta import (CHECKPOINTS_SUBDIR, TOKENIZER_SUBDIR, TRAINING_META_KEYS, CheckpointError,
+                                     default_model_tag, nanochat_files, tokenizer_info)
 from jaxchat.common import fail, get_base_dir, quiet_jax_warnings
 from jaxchat.interop import (TOKEN_BYTES_PT, TOKENIZER_PICKLE, config_from_nanochat_meta, from_nanochat_state_dict,
-                             load_nanochat_state_dict, load_nanochat_tokenizer, nanochat_meta, read_nanochat_meta,
-                             recipe_of_state_dict,
+                             load_nanochat_state_dict, load_nanochat_tokenizer, nanochat_meta, nanochat_tokenizer_path,
+                             read_nanochat_meta, recipe_of_state_dict,
                              save_nanochat_checkpoint, save_nanochat_tokenizer, to_nanochat_state_dict)
+from jaxchat.saved_model import find_model_tag, load_model
 from jaxchat.staged_files import StagedFiles, check_writable_dir
 from jaxchat.tokenizer import get_tokenizer
 
@@ -63,7 +64,7 @@ def export_to_nanochat(nanochat_dir: str, model_tag: str | None = None, step: in
     Everything is checked first and the files appear together: a failure leaves nanochat_dir as it was."""
     base_dir = base_dir or get_base_dir()
     tokenizer = get_tokenizer(os.path.join(base_dir, TOKENIZER_SUBDIR))
-    model_tag = model_tag or find_model_tag(os.path.join(base_dir, CHECKPOINTS_SUBDIR))
+    model_tag = model_tag or find_model_tag(base_dir)
     model, meta = load_model(model_tag, step, base_dir, tokenizer=tokenizer)
     tokenizer_dir = os.path.join(nanochat_dir, TOKENIZER_SUBDIR)
     pickle_path = os.path.join(tokenizer_dir, TOKENIZER_PICKLE)
@@ -85,7 +86,7 @@ def export_checkpoint(model_tag: str | None = None, step: int | None = None, out
                       base_dir: str | None = None) -> tuple[str, str]:
     """Writes model_<step>.safetensors and meta_<step>.json (no PyTorch needed); returns their paths."""
     base_dir = base_dir or get_base_dir()
-    model_tag = model_tag or find_model_tag(os.path.join(base_dir, CHECKPOINTS_SUBDIR))
+    model_tag = model_tag or find_model_tag(base_dir)
     model, meta = load_model(model_tag, step, base_dir)
     step = meta["step"]
     output = output or os.path.join(base_dir, "nanochat_export", model_tag)
@@ -97,13 +98,6 @@ def export_checkpoint(model_tag: str | None = None, step: int | None = None, out
         with open(staged.path(meta_path), "w", encoding="utf-8") as f:
             f.write(meta_json)
     return weights_path, meta_path
-
-
-def _default_tokenizer_path(weights_path: str) -> str | None:
-    """tokenizer/tokenizer.pkl of the nanochat base dir holding base_checkpoints/<tag>/model_<step>.pt, if any."""
-    nanochat_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(weights_path))))
-    path = os.path.join(nanochat_dir, TOKENIZER_SUBDIR, TOKENIZER_PICKLE)
-    return path if os.path.exists(path) else None
 
 
 def import_weights(weights_path: str, meta_path: str | None = None, tokenizer_path: str | None = None,
@@ -120,7 +114,8 @@ def import_weights(weights_path: str, meta_path: str | None = None, tokenizer_pa
     config = dataclasses.replace(config, recipe=recipe_of_state_dict(config, state_dict))
     model = from_nanochat_state_dict(config, state_dict)
     base_dir = base_dir or get_base_dir()
-    tokenizer_path = tokenizer_path or _default_tokenizer_path(weights_path)
+    beside = nanochat_tokenizer_path(weights_path)
+    tokenizer_path = tokenizer_path or (beside if os.path.exists(beside) else None)
     tokenizer_dir = os.path.join(base_dir, TOKENIZER_SUBDIR)
     tokenizer, keep_tokenizer = None, False
     if tokenizer_path:

@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from jaxchat.mesh import maybe_initialize_distributed
 
-    maybe_initialize_distributed()  # before anything touches a device
-    from jaxchat.checkpoint import CheckpointError, SaveFailedError
+    maybe_initialize_distributed(settings.heartbeat_timeout)  # before anything touches a device
+    from jaxchat.checkpoint_meta import CheckpointError, SaveFailedError
     from jaxchat.train_loop import EXIT_SAVE_FAILED, EXIT_STOPPED
 
     try:
@@ -88,32 +88,41 @@ def train(settings: RunSettings, gpu_defaults_set: list[str] | None = None) -> b
     quiet_jax_warnings()
     session = setup(settings, gpu_defaults_set)
     try:
-        stopped = run_loop(session)
+        if session.loop.step == session.run.num_iterations:  # resumed at its last step: trained, evaluated, saved
+            from jaxchat.common import print0
+
+            print0(f"Step {session.loop.step} is this run's last and is saved: nothing to train, evaluate or save; "
+                   "finishing the report")
+            stopped = False
+        else:
+            stopped = run_loop(session)
         finish(session)  # (its last save completes only with every process)
     except Exception as e:
-        from jaxchat.train_loop import is_peer_failure
-
-        if not is_peer_failure(e):
-            raise
-        end_after_lost_peer(session, e)
+        end_if_a_peer_is_lost(session, e)
+        raise
     return stopped
 
 
-def end_after_lost_peer(s: Session, error: Exception) -> None:
-    """Another process of the run is gone: one line, naming it and the newest complete checkpoint, then
-    exit at once with EXIT_PEER_LOST. os._exit: an orderly exit would wait at jax.distributed's shutdown
-    barrier (and Orbax's) for the lost process, and abort there with a page of native stack trace."""
+def end_if_a_peer_is_lost(s: Session, error: Exception) -> None:
+    """If the error is the runtime's (a collective failed: jaxchat.multihost.runtime_failure) and another
+    process of the run does not answer, one line naming it and the newest complete checkpoint, then exit at
+    once with EXIT_PEER_LOST. os._exit: an orderly exit would wait at jax.distributed's shutdown barrier (and
+    Orbax's) for the lost process, and abort there with a page of native stack trace. Otherwise returns."""
     import os
 
     import jax
 
-    from jaxchat.checkpoint import error_reason
-    from jaxchat.mesh import missing_processes
+    from jaxchat.checkpoint_damage import error_reason
+    from jaxchat.multihost import missing_processes, runtime_failure
     from jaxchat.train_loop import EXIT_PEER_LOST
 
+    if jax.process_count() == 1 or runtime_failure(error) is None:
+        return
     missing = missing_processes()
+    if missing == []:  # every process answered: not a lost peer, the error is the run's own
+        return
     lost = "process 0 (the coordinator)" if missing is None else \
-        f"process{'es' if len(missing) > 1 else ''} {', '.join(map(str, missing)) or '(none named: all answered)'}"
+        f"process{'es' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
     newest = s.checkpointer.newest_committed_step()
     saved = f"step {newest}" if newest is not None else "none yet"
     print(f"error: process {jax.process_index()} lost {lost} of {jax.process_count()} in step {s.loop.step} "
@@ -184,11 +193,10 @@ def setup(settings: RunSettings, gpu_defaults_set: list[str] | None) -> Session:
     """Run, data, checkpoints (checked writable before any compute), the state (restored or fresh), logging."""
     import numpy as np
 
-    from jaxchat.checkpoint import RunCheckpoints, check_writable, checkpoint_dir, load_init_params
-    from jaxchat.checkpoint_meta import LATEST
-    from jaxchat.common import DummyWandb, get_base_dir, is_master, peak_flops_per_device, print0, tree_nbytes
+    from jaxchat.checkpoint import RunCheckpoints, check_writable, checkpoint_dir
+    from jaxchat.common import DummyWandb, get_base_dir, is_master, peak_flops_per_device, tree_nbytes
     from jaxchat.report import get_report
-    from jaxchat.train_loop import LoopPolicy, LoopState, StepLogger
+    from jaxchat.train_loop import LoopPolicy, StepLogger
 
     if settings.run == "dummy" or not is_master():
         wandb_run = DummyWandb()
@@ -199,37 +207,49 @@ def setup(settings: RunSettings, gpu_defaults_set: list[str] | None) -> Session:
     run, tokenizer, token_bytes = build(settings, gpu_defaults_set)
     directory = checkpoint_dir(settings.model_tag, settings.depth, get_base_dir())
     check_writable(directory, bytes_needed=tree_nbytes(run.state.params, run.state.opt_state))
-    checkpointer = RunCheckpoints(directory, max_to_keep=None if settings.keep_checkpoints < 1 else settings.keep_checkpoints)
-    resuming = settings.resume_from_step != -1
-    if settings.resume_from_step == LATEST and not checkpointer.all_steps():
-        # a requeued job's first start: 'latest' with nothing saved yet means a fresh run
-        print0(f"No checkpoint in {directory} yet: starting from scratch")
-        resuming = False
-    if not resuming:
-        checkpointer.start_fresh(overwrite=settings.overwrite)  # refuses where an earlier run's checkpoints are
-    train_loader, val_loader, eval_steps = make_loaders(settings, run, tokenizer)
-
-    state = run.state
-    if resuming:
-        state.params, state.opt_state, meta = checkpointer.restore(
-            settings.resume_from_step, state.params, state.opt_state, state.param_shardings, state.opt_shardings,
-            data_iter=train_loader, model_config=run.config, tokenizer=tokenizer)
-        loop = LoopState.from_meta(meta)
-        print0(f"Resumed optimization from step {loop.step}")
-    else:
-        state = run.init_state()
-        if settings.init_from:  # the weights only: the optimizer state just made, step 0, the data from its start
-            state.params = load_init_params(settings.init_from, run.config, state.params, state.param_shardings,
-                                            tokenizer, **run.settings.model_kwargs())
-        loop = LoopState()
+    checkpointer = RunCheckpoints(directory, max_to_keep=None if settings.keep_checkpoints < 1 else settings.keep_checkpoints,
+                                  lock=not settings.no_lock)
+    try:
+        # what this start does, decided before any compute: it refuses what would replace steps unasked
+        plan = checkpointer.plan_start(settings.resume_from_step, settings.overwrite)
+        train_loader, val_loader, eval_steps = make_loaders(settings, run, tokenizer)
+        state, loop = start_state(settings, run, tokenizer, checkpointer, plan, train_loader)
+        checkpointer.set_aside(plan.set_aside)  # once the weights are read: --init-from may lie among these steps
+    except BaseException:
+        checkpointer.close()  # a start that fails leaves no run directory behind
+        raise
     # What a step line prints: the optimizer's own schedules, computed once for every step
     schedules = run.optimizer.schedules_at(np.arange(run.num_iterations + 1))
     logger = StepLogger(run, peak_flops_per_device(run.mesh.devices.flat[0]), schedules, wandb_run)
     report = get_report() if is_master() else None
-    if report is not None and not resuming:
+    if report is not None and plan.resume is None:
         report.clear_curve()  # a fresh run starts a new curve; a resumed one continues it
     return Session(run.settings, run, tokenizer, token_bytes, train_loader, val_loader, eval_steps, checkpointer, state,
                    loop, LoopPolicy.from_settings(settings, loop.step), logger, report, wandb_run)
+
+
+def start_state(settings: RunSettings, run: Run, tokenizer: Tokenizer, checkpointer: RunCheckpoints, plan,
+                train_loader: grain.DatasetIterator) -> tuple[TrainState, LoopState]:
+    """The state the run starts from, as the plan (RunCheckpoints.plan_start) says: restored, or new (from
+    --init-from's weights, if given)."""
+    from jaxchat.common import print0
+    from jaxchat.saved_model import load_init_params
+    from jaxchat.train_loop import LoopState
+
+    state = run.init_state()
+    if plan.resume is not None:
+        if settings.init_from:  # a requeued job: --init-from applied to its first start only
+            print0(f"--init-from {settings.init_from} is not used: this run has checkpoints, and resumes from them")
+        state.params, state.opt_state, meta = checkpointer.restore(
+            plan.resume, state.params, state.opt_state, state.param_shardings, state.opt_shardings,
+            data_iter=train_loader, model_config=run.config, tokenizer=tokenizer)
+        loop = LoopState.from_meta(meta)
+        print0(f"Resumed optimization from step {loop.step}")
+        return state, loop
+    if settings.init_from:  # the weights only: the optimizer state just made, step 0, the data from its start
+        state.params = load_init_params(settings.init_from, run.config, state.params, state.param_shardings,
+                                        tokenizer, **run.settings.model_kwargs())
+    return state, LoopState()
 
 
 # -----------------------------------------------------------------------------
@@ -237,7 +257,7 @@ def setup(settings: RunSettings, gpu_defaults_set: list[str] | None) -> Session:
 
 
 def save(s: Session, step: int) -> None:
-    from jaxchat.checkpoint import training_meta
+    from jaxchat.checkpoint_meta import training_meta
 
     s.logger.write_curve(s.report)
     s.checkpointer.save(step, s.state.params, s.state.opt_state, s.train_loader,

@@ -22,14 +22,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from compiled import new_model
-from conftest import TRAIN_STEP_LINE, VAL_BPB_LINE
+from conftest import TRAIN_STEP_LINE, VAL_BPB_LINE, host_xla_flags
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxchat import checkpoint as ckpt
-from jaxchat.checkpoint_meta import LATEST, parse_resume_step
+from jaxchat import checkpoint_damage
+from jaxchat import run_directory as rundir
+from jaxchat import saved_model
+from jaxchat.checkpoint_meta import LATEST, parse_resume_step, tokenizer_info
 from jaxchat.common import tree_nbytes
 from jaxchat.gpt import GPTConfig
 from jaxchat.mesh import make_mesh, put_batch, batch_sharding, replicated
@@ -103,7 +107,7 @@ def training_meta(tokenizer=None, **extra) -> dict:
         "device_batch_size": 4,
         "max_seq_len": 16,
         "loop_state": {"min_val_bpb": float("inf"), "smooth_train_loss": np.float32(3.5), "total_training_time": 12.0},
-        "tokenizer": ckpt.tokenizer_info(tokenizer) if tokenizer else None,
+        "tokenizer": tokenizer_info(tokenizer) if tokenizer else None,
     }
     return {**meta, **extra}
 
@@ -364,6 +368,68 @@ def test_no_complete_checkpoint_is_an_error(tmp_path):
             loader.restore(5, abstract(params), None, replicated(abstract(params), make_mesh(1)))
 
 
+def _tensorstore_error(status: str, os_error: str) -> Exception:
+    """What Orbax raises when TensorStore fails to read an array: tensorstore's ValueError, whose message
+    starts with the absl status its errno maps to, inside a bare Exception (as in the damage cases above)."""
+    try:
+        raise ValueError(f'{status}: Error reading "w/0" in OCDBT database at local file "/x/params/": {os_error}')
+    except ValueError as cause:
+        try:
+            raise Exception("Encountered error while reading array index: (slice(0, 300000, 1),).") from cause
+        except Exception as wrapped:  # noqa: BLE001
+            return wrapped
+
+
+# Failures that say nothing about the step: the device out of memory while resuming on fewer devices, EIO and
+# ESTALE from a network filesystem, a permission. Each raised where Orbax would (arrays, or the metadata).
+NOT_DAMAGE = {
+    "device out of memory": ("params", lambda: jax.errors.JaxRuntimeError(
+        "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2147483648 bytes.")),
+    "EIO reading an array": ("params", lambda: _tensorstore_error("UNKNOWN", "Input/output error [OS error: 5]")),
+    "EACCES reading an array": ("opt_state", lambda: _tensorstore_error("PERMISSION_DENIED", "Permission denied")),
+    "ESTALE reading the metadata": ("meta", lambda: OSError(116, "Stale file handle")),  # read by jaxchat itself
+}
+
+
+@pytest.mark.parametrize("failure", sorted(NOT_DAMAGE))
+def test_a_read_that_fails_for_another_reason_stops_and_moves_nothing(tmp_path, monkeypatch, failure):
+    """Only a step whose files prove it incomplete or corrupt is damaged: here 'latest' must not fall back to
+    step 10 (the run would redo 10 steps, and a later save move step 20 away), nor advise --overwrite."""
+    states = {step: trained_state(seed=step) for step in (10, 20)}
+    with ckpt.RunCheckpoints(str(tmp_path)) as saver:
+        for step, (params, opt_state) in states.items():
+            saver.save(step, params, opt_state, None, training_meta())
+    before = sorted(os.listdir(tmp_path))
+    item, make_error = NOT_DAMAGE[failure]
+    real_restore = ocp.CheckpointManager.restore
+
+    def failing_restore(manager, step, *args, **kwargs):
+        if step == 20 and item in kwargs["args"].keys():
+            raise make_error()
+        return real_restore(manager, step, *args, **kwargs)
+
+    real_read_meta = checkpoint_damage.read_step_meta
+
+    def failing_read_meta(directory, step):
+        if step == 20:
+            raise make_error()
+        return real_read_meta(directory, step)
+
+    if item == "meta":
+        monkeypatch.setattr(checkpoint_damage, "read_step_meta", failing_read_meta)
+    else:
+        monkeypatch.setattr(ocp.CheckpointManager, "restore", failing_restore)
+    params, opt_state = states[10]
+    shardings = replicated(abstract(params), make_mesh(1)), replicated(abstract(opt_state), make_mesh(1))
+    with ckpt.RunCheckpoints(str(tmp_path)) as run:
+        with pytest.raises(ckpt.StepUnreadableError) as stopped:
+            run.restore(LATEST, abstract(params), abstract(opt_state), *shardings)
+    message = str(stopped.value)
+    assert re.match(rf"reading the (arrays|metadata) of checkpoint step 20 in {tmp_path} failed \(", message), message
+    assert "nothing was skipped or moved" in message and "--overwrite" not in message and "\n" not in message
+    assert sorted(os.listdir(tmp_path)) == before
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # as above
 def test_a_damaged_step_is_moved_aside_not_deleted_when_the_resumed_run_saves_its_number(tmp_path, capsys):
     states = {step: trained_state(seed=step) for step in (10, 20)}
@@ -380,7 +446,7 @@ def test_a_damaged_step_is_moved_aside_not_deleted_when_the_resumed_run_saves_it
         run.save(20, params, opt_state, None, training_meta(val_bpb=0.5))  # the resumed run reaches step 20 again
         run.wait()
         assert run.all_steps() == [10, 20] and run.read_meta(20)["val_bpb"] == 0.5
-    moved = tmp_path / ckpt.DAMAGED_SUBDIR / "20"
+    moved = tmp_path / rundir.DAMAGED_SUBDIR / "20"
     assert capsys.readouterr().out.splitlines() == [
         f"Moved damaged checkpoint step 20 to {moved} to save this run's step 20 (kept, not deleted)"]
     assert sorted(os.path.relpath(p, moved) for p in glob.glob(str(moved / "**"), recursive=True)) == damaged_files
@@ -430,6 +496,34 @@ def test_the_lock_goes_with_the_process_that_held_it(tmp_path):
     acquire_run_lock(str(tmp_path)).close()
 
 
+@pytest.mark.slow
+def test_two_processes_act_on_process_0s_reading_of_the_run_directory(tmp_path, subprocess_env, free_port):
+    """Process 1 sees the run directory without its newest step (a stale NFS cache): both processes still restore
+    step 2, refuse to resume step 1 with the same line, and stop alike when process 0 cannot lock
+    (tests/checkpoint_decisions_worker.py)."""
+    run_dir = tmp_path / "run"
+    with ckpt.RunCheckpoints(str(run_dir)) as saver:
+        for step in (1, 2):
+            saver.save(step, {"w": jnp.full((8,), float(step), jnp.float32)}, None, None, {"model_config": {}})
+    port = free_port()
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoint_decisions_worker.py")
+    procs = [subprocess.Popen([sys.executable, worker, str(run_dir), str(tmp_path / "no_locks")],
+                              env=subprocess_env(XLA_FLAGS=host_xla_flags(1), JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                                                 JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    results = []
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-3000:]
+        results.append(json.loads(out.split("RESULT ", 1)[1].splitlines()[0]))
+    assert results[0] == results[1]
+    assert results[0]["latest"] == {"step": 2, "w": [2.0] * 8}
+    assert results[0]["older"].startswith(f"--resume-from-step 1: {run_dir} holds newer complete steps [2]")
+    assert results[0]["lock"].startswith(f"cannot lock {tmp_path / 'no_locks'} (No locks available)")
+    assert sorted(os.listdir(run_dir)) == ["1", "2", "run.lock"]  # nothing moved
+    assert not (tmp_path / "no_locks").exists()  # the start that could not lock left nothing behind
+
+
 def test_a_new_run_is_refused_where_checkpoints_exist(tmp_path):
     params, opt_state = trained_state(steps=0)
     with ckpt.RunCheckpoints(str(tmp_path)) as earlier:
@@ -440,10 +534,11 @@ def test_a_new_run_is_refused_where_checkpoints_exist(tmp_path):
         with pytest.raises(ckpt.CheckpointError, match=re.escape(
                 f"{tmp_path} holds the checkpoints of an earlier run (steps [10, 20]): resume it with "
                 "--resume-from-step latest, pick another --model-tag, or pass --overwrite to replace them")):
-            rerun.start_fresh()
+            rerun.plan_start(-1)
     assert sorted(os.listdir(tmp_path)) == before
     with ckpt.RunCheckpoints(str(tmp_path / "elsewhere")) as new:
-        new.start_fresh()  # nothing there: fine
+        assert new.plan_start(-1) == ckpt.StartPlan(resume=None)  # nothing there: fine
+        assert new.plan_start(LATEST) == ckpt.StartPlan(resume=None)  # a requeued job's first start
 
 
 def test_overwrite_replaces_the_old_steps_only_once_the_new_one_is_complete(tmp_path, capsys):
@@ -451,21 +546,23 @@ def test_overwrite_replaces_the_old_steps_only_once_the_new_one_is_complete(tmp_
     with ckpt.RunCheckpoints(str(tmp_path)) as earlier:
         for step in (10, 20):
             earlier.save(step, *old, None, training_meta(val_bpb=9.0))
-    replaced = tmp_path / ckpt.REPLACED_SUBDIR
+    replaced = tmp_path / rundir.REPLACED_SUBDIR
     # a run started with overwrite that fails before its first checkpoint costs nothing
     with ckpt.RunCheckpoints(str(tmp_path)) as failed:
-        failed.start_fresh(overwrite=True)
+        plan = failed.plan_start(-1, overwrite=True)
+        assert plan == ckpt.StartPlan(resume=None, set_aside=(10, 20))
+        failed.set_aside(plan.set_aside)
         assert failed.all_steps() == [] and sorted(os.listdir(replaced)) == ["10", "20"]
     with ckpt.RunCheckpoints(str(tmp_path)) as rerun:
         with pytest.raises(ckpt.CheckpointError, match=f"{replaced} holds the checkpoints of a run that an --overwrite "
                            "run replaced before saving any: pass --overwrite to replace them, or move them back"):
-            rerun.start_fresh()
+            rerun.plan_start(-1)
     with ckpt.RunCheckpoints(str(replaced), read_only=True) as aside:  # still whole
         assert aside.latest_step() == 20
 
     capsys.readouterr()
     with ckpt.RunCheckpoints(str(tmp_path)) as run:
-        run.start_fresh(overwrite=True)
+        run.set_aside(run.plan_start(-1, overwrite=True).set_aside)  # nothing more to set aside
         run.save(10, *new, None, training_meta(val_bpb=1.0))  # returns once step 10 is complete; then the old go
         assert not replaced.exists() and run.all_steps() == [10]
         mesh = make_mesh(1)
@@ -473,8 +570,6 @@ def test_overwrite_replaces_the_old_steps_only_once_the_new_one_is_complete(tmp_
     assert meta["val_bpb"] == 1.0
     assert_tree_equal(got, host_copy(new[0]))
     assert capsys.readouterr().out.splitlines() == [
-        f"--overwrite: the earlier run's checkpoints are moved to {replaced}, and deleted once this run's first "
-        "checkpoint is complete",
         f"Deleted the replaced checkpoints in {replaced}: this run's step 10 is complete"]
 
 
@@ -493,28 +588,122 @@ def test_overwrite_keeps_the_old_steps_while_the_new_save_is_written(tmp_path, m
 
     monkeypatch.setattr(shutil, "rmtree", rmtree_and_look)
     with ckpt.RunCheckpoints(str(tmp_path), async_save=True) as run:
-        run.start_fresh(overwrite=True)
+        run.set_aside(run.plan_start(-1, overwrite=True).set_aside)
         run.save(10, params, opt_state, None, training_meta())
-    assert at_deletion == [(str(tmp_path / ckpt.REPLACED_SUBDIR), ["10", ckpt.REPLACED_SUBDIR, "run.lock"])]
-    assert not (tmp_path / ckpt.REPLACED_SUBDIR).exists()
+    assert at_deletion == [(str(tmp_path / rundir.REPLACED_SUBDIR), ["10", rundir.REPLACED_SUBDIR, "run.lock"])]
+    assert not (tmp_path / rundir.REPLACED_SUBDIR).exists()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # as above
+def test_resuming_an_older_step_needs_overwrite_and_sets_the_newer_aside_until_a_new_save(tmp_path, capsys):
+    """--resume-from-step 10 where 20 and 30 are complete (a typo for 30?) is refused before anything is read;
+    with --overwrite they are set aside once step 10 is restored (a damaged 40 goes to damaged/, kept), and
+    deleted only when the resumed run's first step is complete."""
+    states = {step: trained_state(seed=step) for step in (10, 20, 30, 40)}
+    with ckpt.RunCheckpoints(str(tmp_path)) as earlier:
+        for step, state in states.items():
+            earlier.save(step, *state, None, training_meta())
+    _damage(os.path.join(tmp_path, "40"), "metadata truncated")
+    params, opt_state = states[10]
+    shardings = replicated(abstract(params), make_mesh(1)), replicated(abstract(opt_state), make_mesh(1))
+    with ckpt.RunCheckpoints(str(tmp_path)) as run:
+        with pytest.raises(ckpt.CheckpointError, match=re.escape(
+                f"--resume-from-step 10: {tmp_path} holds newer complete steps [20, 30], which a run resumed from step "
+                "10 would replace. Resume the newest with --resume-from-step latest, or pass --overwrite too")):
+            run.plan_start(10)
+        assert run.plan_start(30) == ckpt.StartPlan(resume=30)  # only a damaged step is newer: nothing to lose
+        plan = run.plan_start(10, overwrite=True)
+        assert plan == ckpt.StartPlan(resume=10, set_aside=(20, 30, 40))
+        assert run.all_steps() == [10, 20, 30, 40]  # planning moves nothing
+        got, _, _ = run.restore(plan.resume, abstract(params), abstract(opt_state), *shardings)
+        capsys.readouterr()
+        run.set_aside(plan.set_aside)
+        assert run.all_steps() == [10]
+        assert sorted(os.listdir(tmp_path / rundir.REPLACED_SUBDIR)) == ["20", "30"]
+        assert sorted(os.listdir(tmp_path / rundir.DAMAGED_SUBDIR)) == ["40"]
+        run.save(20, *states[20], None, training_meta(val_bpb=0.5))
+        assert run.all_steps() == [10, 20] and not (tmp_path / rundir.REPLACED_SUBDIR).exists()
+    assert_tree_equal(got, host_copy(params))
+    assert sorted(os.listdir(tmp_path / rundir.DAMAGED_SUBDIR)) == ["40"]  # never deleted
+    assert capsys.readouterr().out.splitlines() == [
+        f"--overwrite: checkpoint step(s) [20, 30] are moved to {tmp_path / rundir.REPLACED_SUBDIR}, and deleted "
+        "once this run's first checkpoint is complete",
+        f"Moved damaged checkpoint step(s) [40] to {tmp_path / rundir.DAMAGED_SUBDIR} (kept, not deleted)",
+        f"Deleted the replaced checkpoints in {tmp_path / rundir.REPLACED_SUBDIR}: this run's step 20 is complete"]
+    gc.collect()  # as above
+
+
+def test_a_save_never_replaces_a_complete_step(tmp_path):
+    params, opt_state = trained_state(steps=0)
+    with ckpt.RunCheckpoints(str(tmp_path), max_to_keep=2) as saver:
+        for step in (1, 2, 3, 4):
+            saver.save(step, params, opt_state, None, training_meta(val_bpb=float(step)))
+        saver.wait()
+        assert saver.all_steps() == [3, 4]  # --keep-checkpoints 2
+        with pytest.raises(ckpt.CheckpointError, match=r"saving step 4 would replace the complete checkpoint step\(s\) "
+                           r"\[4\] in .*: not done"):
+            saver.save(4, params, opt_state, None, training_meta(val_bpb=0.5))
+        assert saver.all_steps() == [3, 4] and saver.read_meta(4)["val_bpb"] == 4.0
+
+
+def test_a_start_that_saves_nothing_leaves_no_run_directory(tmp_path):
+    """A start that fails after making its run directory (no data, a mismatch) closes it: the directory goes,
+    so that find_model_tag does not take it for a model; one that existed before stays."""
+    new_run = tmp_path / "base_checkpoints" / "d12"
+    with ckpt.RunCheckpoints(str(new_run)):
+        assert sorted(os.listdir(new_run)) == ["run.lock"]
+    assert not new_run.exists()
+    (tmp_path / "base_checkpoints" / "kept").mkdir()
+    with ckpt.RunCheckpoints(str(tmp_path / "base_checkpoints" / "kept")):
+        pass
+    assert (tmp_path / "base_checkpoints" / "kept").is_dir()
+
+
+def test_a_filesystem_without_locks_gets_one_line(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.raises(ckpt.CheckpointError) as refused:
+        ckpt.RunCheckpoints(str(tmp_path / "run"))
+    assert str(refused.value) == (
+        f"cannot lock {tmp_path / 'run'} (No locks available): its filesystem does not support locks (NFS mounted "
+        "nolock, Lustre without -o flock, FUSE). Make sure no other run writes there, then start again with --no-lock")
+    params, opt_state = trained_state(steps=0)
+    with ckpt.RunCheckpoints(str(tmp_path / "run"), lock=False) as unlocked:  # --no-lock
+        unlocked.save(1, params, opt_state, None, training_meta())
+    assert sorted(os.listdir(tmp_path / "run")) == ["1"]
 
 
 # ---- a save that fails -----------------------------------------------------------------------------
 
 @pytest.fixture
-def small_disk(tmp_path):
-    """A directory on a 1.5 MB filesystem: a tmpfs where this machine lets us mount one (root), so that
-    Orbax's and tensorstore's own writes meet ENOSPC; skipped elsewhere."""
-    mount_point = tmp_path / "small_disk"
-    mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1536k", "tmpfs", str(mount_point)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()})")
-    try:
-        yield mount_point
-    finally:
+def tmpfs(tmp_path):
+    """tmpfs(size) -> a directory on a filesystem of that size: a tmpfs where this machine lets us mount one
+    (root), so that Orbax's and tensorstore's own writes meet ENOSPC; skipped elsewhere."""
+    mounted_here = []
+
+    def mount(size: str):
+        mount_point = tmp_path / f"disk_{size}"
+        mount_point.mkdir()
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
+                                 capture_output=True, text=True)
+        if mounted.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()})")
+        mounted_here.append(mount_point)
+        return mount_point
+
+    yield mount
+    for mount_point in mounted_here:
         subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+@pytest.fixture
+def small_disk(tmpfs):
+    return tmpfs("1536k")
 
 
 def test_a_save_that_meets_a_full_disk_keeps_the_previous_step(small_disk):
@@ -544,15 +733,35 @@ def test_a_save_that_meets_a_full_disk_keeps_the_previous_step(small_disk):
     assert_tree_equal(got, params_ref)
 
 
-def test_the_train_script_stops_with_its_own_status_when_a_save_fails(monkeypatch, capsys):
-    def failing_train(args, gpu_defaults_set=None):
-        raise ckpt.SaveFailedError("saving checkpoint step 20 in /x failed (...); step 10 stays the newest")
-
-    monkeypatch.setattr(train_script, "train", failing_train)
+@pytest.mark.slow  # (in this process, but it trains: ~10 s)
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # Orbax's failed write, collected
+def test_the_train_script_exits_74_when_the_disk_fills_and_keeps_the_previous_step(tmp_path, tmpfs, make_base_dir,
+                                                                                  monkeypatch, capsys):
+    """scripts.train itself, its run directory on a 6 MB filesystem: step 1 (~3.3 MB) fits, step 2 (~4 MB) does
+    not. The run stops with one line and status 74, and step 1 is whole: every array reads back."""
+    base = make_base_dir(tmp_path / "base")
+    (base / "base_checkpoints").mkdir()
+    os.symlink(tmpfs("6m"), base / "base_checkpoints" / "full")
+    monkeypatch.setenv("JAXCHAT_BASE_DIR", str(base))
     with pytest.raises(SystemExit) as stopped:
-        train_script.main(["--device-type=cpu"])
+        train_script.main(["--depth=2", "--max-seq-len=64", "--device-batch-size=4", "--total-batch-size=256",
+                           "--num-devices=1", "--num-iterations=3", "--save-every=1", "--eval-every=-1",
+                           "--core-metric-every=-1", "--sample-every=-1", "--loader-workers=1", "--device-type=cpu",
+                           "--model-tag=full"])
     assert stopped.value.code == EXIT_SAVE_FAILED == 74
-    assert capsys.readouterr().err == "error: saving checkpoint step 20 in /x failed (...); step 10 stays the newest\n"
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"error: saving checkpoint step 2 in .*/full failed \((ValueError|OSError): .*No space left on "
+                        r"device.*\); step 1 stays the newest complete checkpoint\. Free some space \(or fix the "
+                        r"permissions\), then resume with --resume-from-step latest\n", err), err
+    step_1 = base / "base_checkpoints" / "full" / "1"
+    for item in ("params", "opt_state"):
+        structure = ocp.PyTreeCheckpointHandler().metadata(step_1 / item).tree
+        as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), structure)
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+            arrays = jax.tree.leaves(reader.restore(step_1 / item, args=ocp.args.PyTreeRestore(restore_args=as_numpy)))
+        assert arrays and all(np.isfinite(a).all() for a in arrays)
+    with ckpt.RunCheckpoints(str(base / "base_checkpoints" / "full"), read_only=True) as after:
+        assert after.latest_step() == 1
 
 
 # ---- refusing checkpoints of another model, tokenizer, optimizer ----------------------------------
@@ -633,22 +842,6 @@ def test_data_state_of_another_process_count_is_refused(tmp_path):
 
 # ---- keeping, replacing, flags, writability ------------------------------------------------------
 
-def test_max_to_keep_and_replacing_newer_steps(tmp_path, capsys):
-    params, opt_state = trained_state(steps=0)
-    with ckpt.RunCheckpoints(str(tmp_path), max_to_keep=2) as saver:
-        for step in (1, 2, 3, 4):
-            saver.save(step, params, opt_state, None, training_meta(val_bpb=float(step)))
-        saver.wait()
-        assert saver.all_steps() == [3, 4]
-    # a run resumed from step 3 reaches step 4 again: its step 4 replaces the old one
-    with ckpt.RunCheckpoints(str(tmp_path), max_to_keep=2) as saver:
-        saver.save(4, params, opt_state, None, training_meta(val_bpb=0.5))
-        saver.wait()
-        assert saver.all_steps() == [3, 4]
-        assert saver.read_meta(4)["val_bpb"] == 0.5
-    assert "Replacing checkpoint step(s) [4]" in capsys.readouterr().out
-
-
 def test_parse_resume_step():
     assert parse_resume_step("latest") == LATEST
     assert parse_resume_step("120") == 120
@@ -665,7 +858,7 @@ def test_checkpoint_dir_follows_nanochat(tmp_path):
 
 def test_check_writable(tmp_path):
     ckpt.check_writable(str(tmp_path / "new" / "run"))
-    assert os.path.isdir(tmp_path / "new" / "run")
+    assert not os.path.exists(tmp_path / "new")  # checked, not made: the run that takes it makes it
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
     with pytest.raises(ckpt.CheckpointError, match="Cannot write checkpoints to .*JAXCHAT_BASE_DIR"):
@@ -691,7 +884,7 @@ def test_load_model_from_metadata_alone(tmp_path, capsys):
         saver.save(8, params, opt_state, None, training_meta(byte_tokenizer(extra_merges=35)))
     os.makedirs(os.path.join(tmp_path, "base_checkpoints", "d1"))  # a shallower run: not the default
 
-    loaded, meta = ckpt.load_model(base_dir=str(tmp_path), tokenizer=byte_tokenizer(extra_merges=35))
+    loaded, meta = saved_model.load_model(base_dir=str(tmp_path), tokenizer=byte_tokenizer(extra_merges=35))
     assert meta["step"] == 8 and loaded.config == CONFIG
     assert_tree_equal(nnx.state(loaded, nnx.Param), host_copy(params))
     assert all(x.sharding.is_fully_replicated and len(x.sharding.device_set) == len(jax.devices())
@@ -706,20 +899,24 @@ def test_load_model_from_metadata_alone(tmp_path, capsys):
                                atol=1e-5 * np.abs(expected).max())
     assert "Loaded d2 step 8" in capsys.readouterr().out
     with pytest.raises(ckpt.CheckpointMismatchError, match="the tokenizer on disk has 299"):
-        ckpt.load_model("d2", 8, base_dir=str(tmp_path), tokenizer=byte_tokenizer(extra_merges=34))
+        saved_model.load_model("d2", 8, base_dir=str(tmp_path), tokenizer=byte_tokenizer(extra_merges=34))
 
 
 def test_find_model_tag(tmp_path):
     with pytest.raises(ckpt.NoCheckpointError):
-        ckpt.find_model_tag(str(tmp_path / "none"))
+        rundir.find_model_tag(str(tmp_path / "none"))
     for tag in ("d4", "d12", "d6"):
-        os.makedirs(tmp_path / tag)
-    assert ckpt.find_model_tag(str(tmp_path)) == "d12"
+        os.makedirs(tmp_path / tag / "100" / "meta")  # a step with its metadata
+    os.makedirs(tmp_path / "d20")  # left by a start that failed: no model, not the default
+    os.makedirs(tmp_path / "d24" / "5.orbax-checkpoint-tmp-1700000000")  # an unfinished save only
+    assert rundir.find_model_tag(str(tmp_path)) == "d12"
     only_named = tmp_path / "named"
-    for i, tag in enumerate(("old", "new")):
-        os.makedirs(only_named / tag)
+    for i, tag in enumerate(("old", "new", "empty")):
+        os.makedirs(only_named / tag / ("1/meta" if tag != "empty" else ""))
         os.utime(only_named / tag, (1e9 + i, 1e9 + i))
-    assert ckpt.find_model_tag(str(only_named)) == "new"
+    assert rundir.find_model_tag(str(only_named)) == "new"
+    with pytest.raises(ckpt.NoCheckpointError):
+        rundir.find_model_tag(str(tmp_path / "d20"))
 
 
 def test_meta_file_is_plain_json(tmp_path):
@@ -802,3 +999,23 @@ def test_a_second_run_on_a_live_runs_directory_is_refused_at_once(runs):
     # its own start-up (imports, the abstract model) on a loaded 2-core machine takes seconds to tens of seconds;
     # the refusal itself does not wait
     assert second["seconds"] < 60
+
+
+@pytest.mark.slow
+def test_a_run_resumed_at_its_last_step_only_finishes_its_report(runs, start_train, rest_of_output):
+    """A requeued job whose run had saved its last step (preempted during its final evaluation): the same command
+    again trains, evaluates, saves and samples nothing, and rewrites no step; it writes the report's section."""
+    run_dir = runs["base"] / "base_checkpoints" / "whole"
+    step_files = lambda: {path: (os.stat(path).st_ino, os.stat(path).st_mtime_ns)  # noqa: E731
+                          for path in glob.glob(str(run_dir / "[0-9]*" / "**"), recursive=True)}
+    before = step_files()
+    section = runs["base"] / "report" / "base-model-training.md"
+    written_before = os.path.getmtime(section)
+    again = start_train(runs["base"], *TRAIN_FLAGS, "--resume-from-step=latest")
+    out = rest_of_output(again, timeout=300)
+    assert again.returncode == 0, out[-3000:]
+    assert f"Step {TRAIN_STEPS} is this run's last and is saved: nothing to train, evaluate or save" in out, out[-3000:]
+    assert not VAL_BPB_LINE.search(out) and not TRAIN_STEP_LINE.search(out) and "<|bos|>" not in out
+    assert "Replacing" not in out and "Moved" not in out
+    assert step_files() == before  # the same files, untouched
+    assert os.path.getmtime(section) > written_before

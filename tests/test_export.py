@@ -28,6 +28,8 @@ import tiktoken
 from flax import nnx
 
 from jaxchat import checkpoint as ckpt
+from jaxchat.saved_model import load_model
+from jaxchat.checkpoint_meta import tokenizer_info
 from jaxchat.gpt import GPT, GPTConfig
 from jaxchat.interop import (NANOCHAT_META_KEYS, from_nanochat_state_dict, load_nanochat_tokenizer,
                              to_nanochat_state_dict)
@@ -164,7 +166,7 @@ def save_checkpoint(base_dir, model: GPT, tokenizer: Tokenizer, step: int = STEP
     """A jaxchat training checkpoint of `model`, with its tokenizer in base_dir as a run leaves them."""
     tokenizer.save(os.path.join(base_dir, "tokenizer"))
     meta = {"val_bpb": 1.5, "model_config": dataclasses.asdict(model.config), "user_config": {"depth": 2},
-            "device_batch_size": 4, "max_seq_len": model.config.sequence_len, "tokenizer": ckpt.tokenizer_info(tokenizer),
+            "device_batch_size": 4, "max_seq_len": model.config.sequence_len, "tokenizer": tokenizer_info(tokenizer),
             "loop_state": {"min_val_bpb": 1.5, "smooth_train_loss": 3.0, "total_training_time": 9.0}}
     with ckpt.RunCheckpoints(os.path.join(base_dir, "base_checkpoints", tag), async_save=False) as saver:
         # the optimizer state's content is irrelevant here: any pytree of arrays makes a training checkpoint
@@ -263,8 +265,8 @@ def test_import_of_nanochat_files_round_trips(exported, tmp_path, tokenizer):
     directory = import_weights(str(model_path), base_dir=str(tmp_path / "jaxchat"))  # meta and tokenizer: beside it
     assert directory == str(tmp_path / "jaxchat" / "base_checkpoints" / TAG)
     imported_tokenizer = Tokenizer.load(str(tmp_path / "jaxchat" / "tokenizer"))
-    assert ckpt.tokenizer_info(imported_tokenizer) == ckpt.tokenizer_info(tokenizer)
-    loaded, meta = ckpt.load_model(base_dir=str(tmp_path / "jaxchat"), tokenizer=imported_tokenizer)
+    assert tokenizer_info(imported_tokenizer) == tokenizer_info(tokenizer)
+    loaded, meta = load_model(base_dir=str(tmp_path / "jaxchat"), tokenizer=imported_tokenizer)
     assert meta["step"] == STEP and meta["imported_from"] == str(model_path) and loaded.config == model.config
     for a, b in zip(params_of(loaded), params_of(with_bf16_wte(model))):  # exact: nanochat's wte is bf16
         np.testing.assert_array_equal(a, b)
@@ -293,7 +295,7 @@ def test_safetensors_export_and_import_are_exact(tmp_path, tokenizer, config):
         assert list(json.load(f)) == list(NANOCHAT_META_KEYS)
 
     import_weights(weights_path, base_dir=str(tmp_path / "b"))
-    loaded, _ = ckpt.load_model(base_dir=str(tmp_path / "b"))
+    loaded, _ = load_model(base_dir=str(tmp_path / "b"))
     for a, b in zip(params_of(loaded), params_of(model)):
         np.testing.assert_array_equal(a, b)
 
@@ -313,7 +315,7 @@ def test_import_of_a_nanochat_gpu_checkpoint(tmp_path, config, capsys):
     import_weights(str(tmp_path / "model_000500.pt"), base_dir=str(tmp_path), model_tag="from_nanochat")
     out = capsys.readouterr().out
     assert "using 'L'" in out and "No nanochat tokenizer" in out
-    loaded, meta = ckpt.load_model("from_nanochat", base_dir=str(tmp_path))
+    loaded, meta = load_model("from_nanochat", base_dir=str(tmp_path))
     assert loaded.config == config and meta["step"] == 500 and meta["tokenizer"] is None
     for a, b in zip(params_of(loaded), params_of(with_bf16_wte(model))):
         np.testing.assert_array_equal(a, b)

@@ -17,6 +17,8 @@ from flax import nnx
 from compiled import forward, new_model
 from nanochat_numpy import np_forward, randomized
 from jaxchat import checkpoint as ckpt
+from jaxchat import checkpoint_meta
+from jaxchat.saved_model import load_model
 from jaxchat.engine import Engine
 from jaxchat.gpt import GPT, GPTConfig, abstract_model, count_params
 from jaxchat.interop import META_KEYS_OF_RECIPE, to_nanochat_state_dict
@@ -227,16 +229,16 @@ def test_new_parameters_go_to_nanochats_groups_and_train():
 def test_a_checkpoint_of_another_recipe_is_refused_in_one_line():
     config = tiny(2)
     meta = {"model_config": dataclasses.asdict(config)}
-    with pytest.raises(ckpt.CheckpointMismatchError) as info:
-        ckpt.check_compatible(meta, dataclasses.replace(config, recipe="bdcc030"), where="step 5")
+    with pytest.raises(checkpoint_meta.CheckpointMismatchError) as info:
+        checkpoint_meta.check_compatible(meta, dataclasses.replace(config, recipe="bdcc030"), where="step 5")
     assert str(info.value) == ("step 5 holds a --recipe 92d63d4 model, this run builds --recipe bdcc030: pass "
                                "--recipe 92d63d4 to continue or load it, or start a new run under another --model-tag")
-    ckpt.check_compatible(meta, config)  # the same recipe passes
+    checkpoint_meta.check_compatible(meta, config)  # the same recipe passes
     # a checkpoint from before recipes holds a bdcc030 model
     old = {"model_config": {k: v for k, v in dataclasses.asdict(config).items() if k != "recipe"}}
-    ckpt.check_compatible(old, dataclasses.replace(config, recipe="bdcc030"))
-    with pytest.raises(ckpt.CheckpointMismatchError, match="holds a --recipe bdcc030 model"):
-        ckpt.check_compatible(old, config)
+    checkpoint_meta.check_compatible(old, dataclasses.replace(config, recipe="bdcc030"))
+    with pytest.raises(checkpoint_meta.CheckpointMismatchError, match="holds a --recipe bdcc030 model"):
+        checkpoint_meta.check_compatible(old, config)
 
 
 # ---- the hand-off to nanochat 92d63d4 ----------------------------------------------------------------
@@ -274,7 +276,7 @@ def test_export_to_nanochat_and_back(tmp_path):
     model = random_model(config, seed=4)
     tokenizer.save(str(tmp_path / "a" / "tokenizer"))
     meta = {"val_bpb": 1.5, "model_config": dataclasses.asdict(config), "device_batch_size": 4, "max_seq_len": 32,
-            "user_config": {"depth": 3, "total_batch_size": 256}, "tokenizer": ckpt.tokenizer_info(tokenizer),
+            "user_config": {"depth": 3, "total_batch_size": 256}, "tokenizer": checkpoint_meta.tokenizer_info(tokenizer),
             "loop_state": {"min_val_bpb": 1.5, "smooth_train_loss": 3.0, "total_training_time": 9.0}}
     with ckpt.RunCheckpoints(str(tmp_path / "a" / "base_checkpoints" / "d3"), async_save=False) as saver:
         saver.save(7, nnx.state(model, nnx.Param), {"count": jnp.zeros((), jnp.int32)}, None, meta)
@@ -300,7 +302,7 @@ def test_export_to_nanochat_and_back(tmp_path):
 
     # --import reads that commit's model_<step>.pt: the recipe told by the names, the weights exact
     import_weights(written[0], base_dir=str(tmp_path / "b"))
-    loaded, loaded_meta = ckpt.load_model(base_dir=str(tmp_path / "b"))
+    loaded, loaded_meta = load_model(base_dir=str(tmp_path / "b"))
     assert loaded.config == config and loaded_meta["total_batch_size"] == 256
     for a, b in zip(leaves(loaded), leaves(bf16_tables(model))):
         np.testing.assert_array_equal(a, b)
@@ -311,5 +313,5 @@ def test_export_to_nanochat_and_back(tmp_path):
     # without PyTorch (safetensors, float32 throughout) the round trip is exact for every weight
     weights_path, _ = export_checkpoint(base_dir=str(tmp_path / "a"), output=str(tmp_path / "out"))
     import_weights(weights_path, base_dir=str(tmp_path / "c"))
-    for a, b in zip(leaves(ckpt.load_model(base_dir=str(tmp_path / "c"))[0]), leaves(model)):
+    for a, b in zip(leaves(load_model(base_dir=str(tmp_path / "c"))[0]), leaves(model)):
         np.testing.assert_array_equal(a, b)

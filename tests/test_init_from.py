@@ -3,12 +3,14 @@ Its step-0 loss is the source model's loss on the same batch; a bad path or anot
 line. scripts.train runs in this process (main(argv)), on one of the virtual CPU devices; marked slow all the
 same: the module trains and compiles six short runs (about 90 s on a loaded 2-core machine)."""
 
+import os
 import re
+import shutil
 
 import jax.numpy as jnp
 import pytest
 
-from jaxchat.checkpoint import load_model
+from jaxchat.saved_model import load_model
 from jaxchat.dataloader import make_train_loader
 from jaxchat.interop import from_nanochat_state_dict, load_nanochat_state_dict
 from jaxchat.mesh import make_mesh
@@ -53,10 +55,10 @@ def first_batch_loss(model, base_dir) -> float:
     return float(model(jnp.asarray(inputs[0]), jnp.asarray(targets[0])))
 
 
-def step_0_loss(base_dir, monkeypatch, capsys, tag: str, init_from: str) -> float:
+def step_0_loss(base_dir, monkeypatch, capsys, tag: str, init_from: str, *flags: str) -> float:
     monkeypatch.setenv("JAXCHAT_BASE_DIR", str(base_dir))
     capsys.readouterr()
-    train_script.main([*FLAGS, "--num-iterations=1", f"--model-tag={tag}", f"--init-from={init_from}"])
+    train_script.main([*FLAGS, "--num-iterations=1", f"--model-tag={tag}", f"--init-from={init_from}", *flags])
     out = capsys.readouterr().out
     assert "optimizer, schedule and data start anew" in out
     return float(STEP_0.search(out).group(1))
@@ -99,3 +101,54 @@ def test_a_bad_source_gets_one_line(source, request, monkeypatch, capsys, where,
     assert stopped.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: --init-from {path}: ") and message in err and err.count("\n") == 1, err
+
+
+def test_from_its_own_run_directory_with_overwrite(source, monkeypatch, capsys):
+    """--init-from a step of the very run that --overwrite replaces: the weights are read before that run's steps
+    are set aside (and deleted once the new run's first checkpoint is complete)."""
+    base_dir = source
+    monkeypatch.setenv("JAXCHAT_BASE_DIR", str(base_dir))
+    train_script.main([*FLAGS, "--num-iterations=1", "--model-tag=self"])
+    model, _ = load_model("self", base_dir=str(base_dir), mesh=make_mesh(1))
+    run_dir = base_dir / "base_checkpoints" / "self"
+    printed = step_0_loss(base_dir, monkeypatch, capsys, "self", str(run_dir / "1"), "--overwrite")
+    assert_same_loss(printed, first_batch_loss(model, base_dir))
+    assert sorted(os.listdir(run_dir)) == ["1", "run.lock"]  # the new run's step 1; the old one deleted
+
+
+def test_a_resumed_run_says_it_does_not_use_init_from(source, monkeypatch, capsys):
+    """A requeued job's later starts (--resume-from-step=latest with a checkpoint there) resume, and say so."""
+    monkeypatch.setenv("JAXCHAT_BASE_DIR", str(source))
+    train_script.main([*FLAGS, "--num-iterations=2", "--model-tag=src", "--resume-from-step=latest",
+                       f"--init-from={source / 'nowhere'}"])
+    out = capsys.readouterr().out
+    assert f"--init-from {source / 'nowhere'} is not used: this run has checkpoints, and resumes from them" in out
+
+
+@pytest.mark.parametrize("tokenizer", ["another", "none"])
+def test_nanochat_weights_with_another_or_no_tokenizer_are_refused(source, nanochat_weights, tmp_path, monkeypatch,
+                                                                  capsys, tokenizer):
+    """nanochat's weights are checked against the tokenizer of their nanochat base dir: one that differs from this
+    run's (same size, two merges swapped), or none there, gets one line."""
+    from jaxchat.interop import save_nanochat_tokenizer
+    from jaxchat.tokenizer import Tokenizer
+
+    nanochat_dir = tmp_path / "nanochat"
+    shutil.copytree(os.path.dirname(os.path.dirname(os.path.dirname(nanochat_weights))), nanochat_dir)
+    weights = nanochat_dir / os.path.relpath(nanochat_weights, os.path.dirname(os.path.dirname(os.path.dirname(
+        nanochat_weights))))
+    shutil.rmtree(nanochat_dir / "tokenizer")
+    if tokenizer == "another":
+        ours = get_tokenizer(str(source / "tokenizer"))
+        ranks = dict(ours.mergeable_ranks)
+        a, b = sorted(ranks, key=ranks.get)[300:302]
+        ranks[a], ranks[b] = ranks[b], ranks[a]
+        save_nanochat_tokenizer(Tokenizer(ranks, ours.pattern, list(ours.special_tokens)), str(nanochat_dir / "tokenizer"))
+    monkeypatch.setenv("JAXCHAT_BASE_DIR", str(source))
+    with pytest.raises(SystemExit) as stopped:
+        train_script.main([*FLAGS, "--num-iterations=1", f"--model-tag=tok_{tokenizer}", f"--init-from={weights}"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    expected = "is not this run's (the base dir's tokenizer/)" if tokenizer == "another" else "no tokenizer to check it against"
+    assert err.startswith(f"error: --init-from {weights}: ") and expected in err and err.count("\n") == 1, err
+    assert not (source / "base_checkpoints" / f"tok_{tokenizer}").exists()  # the failed start left no directory

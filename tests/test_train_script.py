@@ -59,30 +59,40 @@ def test_bad_input_stops_with_a_message(tmp_path, monkeypatch, capsys, flags, me
 
 
 def test_a_rerun_or_a_second_run_on_a_tag_is_refused_before_any_write(tmp_path, monkeypatch, capsys):
-    """A rerun without --resume-from-step where an earlier run's checkpoints are, or any run while another
-    holds the directory: status 2 and one line, before the model is even compiled; nothing of the earlier
-    run changes."""
+    """A rerun without --resume-from-step where an earlier run's checkpoints are, a resume from an older step
+    than the newest (a typo: 5 for 8), or any run while another holds the directory: status 2 and one line,
+    before the model is even compiled; nothing of the earlier run changes."""
     monkeypatch.setenv("JAXCHAT_BASE_DIR", str(tmp_path))
     Tokenizer({bytes([i]): i for i in range(256)}).save(str(tmp_path / "tokenizer"))
     run_dir = tmp_path / "base_checkpoints" / "earlier"
     with RunCheckpoints(str(run_dir)) as earlier:
-        earlier.save(5, {"w": jnp.ones(3)}, None, None, {"model_config": {}})
-    before = {path: os.path.getmtime(path) for path in glob.glob(str(run_dir / "5" / "**"), recursive=True)}
+        for step in (5, 8):
+            earlier.save(step, {"w": jnp.ones(3)}, None, None, {"model_config": {}})
+    files = lambda: {path: os.path.getmtime(path)  # noqa: E731 -- every step's files (run.lock is each start's)
+                     for path in glob.glob(str(run_dir / "[0-9]*" / "**"), recursive=True)}
+    before = files()
     flags = [*SMALL, "--device-type=cpu", "--model-tag=earlier", "--num-iterations=5", "--core-metric-every=-1"]
     # (the rerun last: in this process, the refused run's objects keep its lock until they are collected)
     for extra, message in ((["--resume-from-step=latest"], f"{run_dir} is in use by another run (host "),
-                           ([], f"{run_dir} holds the checkpoints of an earlier run (steps [5]): resume it with "
+                           (["--resume-from-step=5"], f"--resume-from-step 5: {run_dir} holds newer complete steps [8], "
+                                                      "which a run resumed from step 5 would replace. Resume the newest "
+                                                      "with --resume-from-step latest, or pass --overwrite too"),
+                           ([], f"{run_dir} holds the checkpoints of an earlier run (steps [5, 8]): resume it with "
                                 "--resume-from-step latest, pick another --model-tag, or pass --overwrite")):
-        with RunCheckpoints(str(run_dir)) if extra else contextlib.nullcontext():  # a live run holds it
+        with RunCheckpoints(str(run_dir)) if "latest" in str(extra) else contextlib.nullcontext():  # a live run holds it
             with pytest.raises(SystemExit) as stopped:
                 train_script.main([*flags, *extra])
         assert stopped.value.code == 2
         err = capsys.readouterr().err
         assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
-    assert {path: os.path.getmtime(path) for path in glob.glob(str(run_dir / "5" / "**"), recursive=True)} == before
-    with pytest.raises(SystemExit, match="2"):
-        train_script.main(["--overwrite", "--resume-from-step=latest"])
-    assert "--overwrite starts a new run and --resume-from-step continues one" in capsys.readouterr().err
+    assert files() == before
+    for contradiction, message in ((["--overwrite", "--resume-from-step=latest"], "--overwrite with --resume-from-step "
+                                    "latest: 'latest' continues from the newest step, which replaces nothing"),
+                                   (["--init-from=x", "--resume-from-step=5"], "--init-from starts a new run from "
+                                    "given weights and --resume-from-step 5 continues this one: pass one of them")):
+        with pytest.raises(SystemExit, match="2"):
+            train_script.main(contradiction)
+        assert message in capsys.readouterr().err
 
 
 def run_to_its_error(start_train, base_dir, *flags, **env) -> str:
@@ -376,3 +386,36 @@ def test_the_slurm_script_trains_two_tasks(pairs):
     assert [int(step) for step, _ in TRAIN_STEP_LINE.findall(done.stdout)] == list(range(PAIR_STEPS))
     assert DATA_STATES <= set(os.listdir(pairs["base"] / "base_checkpoints" / "whole" / str(PAIR_STEPS) / "data"))
     assert "srun skipped: " in out and "scripts.base_loss" in out  # the evaluations come after training
+
+
+# The job's decision after training, with a stand-in for the trainer's processes: a "python" whose
+# `-m scripts.train` exits with the status under test (the real statuses come from the pairs above and
+# test_checkpoint.py), and an scontrol that records what it was asked.
+STAND_IN_PYTHON = """#!/usr/bin/env bash
+case "$*" in *scripts.train*) exit "$TRAIN_STATUS";; *) echo "ran $*"; exit 0;; esac
+"""
+RECORDING_SCONTROL = """#!/usr/bin/env bash
+echo "$*" >> "$SCONTROL_LOG"
+"""
+
+
+@pytest.mark.parametrize("status, restarts, requeued", [
+    (75, "7", True),  # a time limit: always
+    (69, "0", True), (134, "2", True),  # a lost process: carried on by the same job...
+    (69, "3", False),  # ...at most JAXCHAT_MAX_REQUEUES (3) times
+    (1, "0", False),  # a failure of the run itself: the job fails
+])
+def test_the_slurm_script_requeues_a_run_that_lost_a_process_or_its_time(tmp_path, status, restarts, requeued):
+    for name, text in (("python", STAND_IN_PYTHON), ("srun", FAKE_SRUN), ("scontrol", RECORDING_SCONTROL)):
+        (tmp_path / name).write_text(text)
+        (tmp_path / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "JAXCHAT_PYTHON": str(tmp_path / "python"),
+           "JAXCHAT_BASE_DIR": str(tmp_path / "base"), "SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2",
+           "SLURM_GPUS_ON_NODE": "8", "SLURM_NTASKS": "1", "SLURM_RESTART_COUNT": restarts,
+           "TRAIN_STATUS": str(status), "SCONTROL_LOG": str(tmp_path / "scontrol.log")}
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs", "multihost_slurm.sh")
+    done = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=60)
+    asked = (tmp_path / "scontrol.log").read_text() if (tmp_path / "scontrol.log").exists() else ""
+    assert asked == ("requeue 4242\n" if requeued else ""), done.stdout + done.stderr
+    assert done.returncode == (0 if requeued else status), done.stdout + done.stderr
+    assert ("scripts.base_loss" in done.stdout) is False  # no evaluation of a half-trained run
