@@ -86,6 +86,7 @@ class ModelFeatures:
     backout: bool  # backout_lambda x the residual after layer n_layer // 2, subtracted before the final norm
     qk_scale: float  # q and k are multiplied by it after the QK norm
     rotary_base: int
+    rotary_in_compute_dtype: bool  # the cos/sin table in the compute dtype (92d63d4), else rounded to bf16 always
     short_window: str  # a key of SHORT_WINDOW_RULES: how far back an S layer sees
     depth_rule: str  # a key of DEPTH_RULES: (model_dim, num_heads) from depth, aspect ratio and head_dim
     scaling_params: str  # what the data:param ratio counts: 'all' parameters, or 'matrices' (blocks + lm_head)
@@ -97,15 +98,18 @@ class ModelFeatures:
 
 RECIPES = {
     # karpathy/nanochat at bdcc030 (January 2026): jaxchat's seed; kept to the bit.
+    # Its rotary table is bf16 whatever the compute dtype (nanochat/gpt.py there: `cos.bfloat16()`).
     "bdcc030": ModelFeatures(value_embeds=False, smear=False, backout=False, qk_scale=1.0, rotary_base=10_000,
-                             short_window="half", depth_rule="divisor", scaling_params="all", wte_std=1.0,
-                             fc_init_scale=1.0, resid_lambda_init=(1.0, 0.0), x0_lambda_init=(0.0, 0.0)),
+                             rotary_in_compute_dtype=False, short_window="half", depth_rule="divisor",
+                             scaling_params="all", wte_std=1.0, fc_init_scale=1.0, resid_lambda_init=(1.0, 0.0),
+                             x0_lambda_init=(0.0, 0.0)),
     # karpathy/nanochat at 92d63d4: nanochat/gpt.py's GPT and init_weights, base_train.py's build_model_meta
-    # and get_scaling_params.
+    # and get_scaling_params. Its rotary table is in the compute dtype (`cos.to(COMPUTE_DTYPE)`): float32 in a
+    # float32 run.
     "92d63d4": ModelFeatures(value_embeds=True, smear=True, backout=True, qk_scale=1.2, rotary_base=100_000,
-                             short_window="quarter_tiles", depth_rule="round_up", scaling_params="matrices",
-                             wte_std=0.8, fc_init_scale=0.4, resid_lambda_init=(1.15, 0.10),
-                             x0_lambda_init=(0.20, 0.15)),
+                             rotary_in_compute_dtype=True, short_window="quarter_tiles", depth_rule="round_up",
+                             scaling_params="matrices", wte_std=0.8, fc_init_scale=0.4,
+                             resid_lambda_init=(1.15, 0.10), x0_lambda_init=(0.20, 0.15)),
 }
 DEFAULT_RECIPE = "bdcc030"
 SHORT_WINDOW_RULES = {
@@ -244,12 +248,13 @@ def scale(x: jax.Array, factor: float) -> jax.Array:
     return (x.astype(jnp.float32) * factor).astype(x.dtype)
 
 
-def rotary_cos_sin(positions: jax.Array, head_dim: int, base: int = RECIPES[DEFAULT_RECIPE].rotary_base
-                   ) -> tuple[jax.Array, jax.Array]:
-    """cos/sin of shape (T, head_dim/2) for integer positions, rounded to bfloat16 as nanochat's table."""
+def rotary_cos_sin(positions: jax.Array, head_dim: int, base: int = RECIPES[DEFAULT_RECIPE].rotary_base,
+                   dtype=jnp.bfloat16) -> tuple[jax.Array, jax.Array]:
+    """cos/sin of shape (T, head_dim/2) for integer positions, computed in float32 and rounded to `dtype` as
+    nanochat's table (bfloat16 at bdcc030; the compute dtype at 92d63d4: ModelFeatures.rotary_in_compute_dtype)."""
     inv_freq = 1.0 / (base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    return jnp.cos(angles).astype(jnp.bfloat16), jnp.sin(angles).astype(jnp.bfloat16)
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
 
 
 def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -458,7 +463,9 @@ class GPT(nnx.Module):
         return mix(x, x0, self.resid_lambdas[i], self.x0_lambdas[i])
 
     def _rotary(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return rotary_cos_sin(positions, self.config.head_dim, self.config.features.rotary_base)
+        features = self.config.features
+        dtype = self.dtype if features.rotary_in_compute_dtype else jnp.bfloat16
+        return rotary_cos_sin(positions, self.config.head_dim, features.rotary_base, dtype)
 
     def _unembedding(self) -> jax.Array:
         """lm_head's kernel without the padded vocabulary columns: (C, vocab_size)."""

@@ -191,7 +191,8 @@ def muon(
     learning_rate, momentum and weight_decay are floats or schedules (functions of the update count,
     held in the state), so they change per step inside one compiled update. update() needs params
     (cautious weight decay); optax.apply_updates then gives p - lr_eff·X - lr_eff·wd·p·mask.
-    polar_dtype: dtype of the Polar Express matmuls (bfloat16 as nanochat).
+    polar_dtype: dtype of the Polar Express matmul operands: bfloat16 as nanochat at bdcc030; the model's compute
+    dtype at 92d63d4 (jaxchat.optim.OptimizerRecipe.polar_in_compute_dtype).
     norm_safety, row_equilibration (MuonEq), renormalize (Muon+): nanochat 92d63d4's options (1.01, True,
     True there); the defaults are bdcc030's Muon, unchanged.
     Sharding follows the inputs: stacks split over a mesh axis by whole matrices are updated locally.

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jaxchat.common import key_name
+from jaxchat.common import compute_dtype as default_compute_dtype, key_name
 from jaxchat.mesh import DATA_AXIS
 from jaxchat.muon import muon
 
@@ -75,6 +75,9 @@ class OptimizerRecipe:
     weight_decay: str  # 'linear' or 'cosine' to zero at step N
     weight_decay_rule: str  # 'depth': ∝ 1/depth²; 'horizon': the T_epoch rule (scaled_weight_decay_92d63d4)
     fp32_adamw: bool
+    # Polar Express's matmul operands in the compute dtype (92d63d4: bf16 only where the model computes in bf16,
+    # float32 in a float32 run), else bf16 always (bdcc030's nanochat/muon.py: `X = G.bfloat16()`)
+    polar_in_compute_dtype: bool
 
 
 OPTIMIZER_RECIPES: Mapping[str, OptimizerRecipe] = types.MappingProxyType({
@@ -83,7 +86,7 @@ OPTIMIZER_RECIPES: Mapping[str, OptimizerRecipe] = types.MappingProxyType({
         adamw=types.MappingProxyType({name: AdamWGroup()
                                       for name in ("wte", "lm_head", "resid_lambdas", "x0_lambdas")}),
         muon=types.MappingProxyType({"beta2": 0.95}), warmup="ratio", momentum="bdcc030", weight_decay="linear",
-        weight_decay_rule="depth", fp32_adamw=False),
+        weight_decay_rule="depth", fp32_adamw=False, polar_in_compute_dtype=False),
     # nanochat/optim.py and GPT.setup_optimizer at 92d63d4
     "92d63d4": OptimizerRecipe(
         adamw=types.MappingProxyType({
@@ -96,7 +99,8 @@ OPTIMIZER_RECIPES: Mapping[str, OptimizerRecipe] = types.MappingProxyType({
         }),
         muon=types.MappingProxyType({"beta2": 0.9, "norm_safety": 1.01, "row_equilibration": True,
                                      "renormalize": True}),
-        warmup="steps", momentum="92d63d4", weight_decay="cosine", weight_decay_rule="horizon", fp32_adamw=True),
+        warmup="steps", momentum="92d63d4", weight_decay="cosine", weight_decay_rule="horizon", fp32_adamw=True,
+        polar_in_compute_dtype=True),
 })
 
 
@@ -436,12 +440,14 @@ def setup_optimizer(
     horizon: Horizon | None = None,
     mesh: Mesh | None = None,
     print_fn: Callable[[str], None] | None = None,
+    compute_dtype=None,
 ) -> Optimizer:
     """nanochat's Muon + AdamW for the model's parameters (arrays or their shapes: every one must have a
     group, checked now). The keyword arguments are base_train.py's flags; the scaling rules and
     schedules are the recipe's (OPTIMIZER_RECIPES), applied here: adam_betas and warmup_ratio are
     bdcc030's, warmup_steps and horizon 92d63d4's. mesh: Muon's stacks split over its 'data' axis
-    (nanochat's DistMuon). print_fn: prints the scaling rules and the groups (e.g. print0)."""
+    (nanochat's DistMuon). print_fn: prints the scaling rules and the groups (e.g. print0). compute_dtype: the
+    model's (default: this platform's), for the recipes whose Polar Express follows it."""
     spec = optimizer_recipe(recipe)
     if num_iterations <= 0:
         raise ValueError(f"num_iterations must be positive, got {num_iterations}")
@@ -480,8 +486,9 @@ def setup_optimizer(
         b1, b2 = group.betas or adam_betas
         transforms[name] = (adamw_fp32(scheduled(lrs[name]), b1, b2, ADAM_EPS, group.weight_decay) if spec.fp32_adamw
                             else optax.adam(scheduled(lrs[name]), b1=b1, b2=b2, eps=ADAM_EPS))
+    polar_dtype = jnp.dtype(compute_dtype or default_compute_dtype()) if spec.polar_in_compute_dtype else jnp.bfloat16
     transforms[MUON_GROUP] = muon(learning_rate=scheduled(lrs[MUON_GROUP]), momentum=momentum, weight_decay=decay,
-                                  **spec.muon)
+                                  polar_dtype=polar_dtype, **spec.muon)
     tx = optax.partition(transforms, layout.view_labels())
     return Optimizer(tx, layout, lrs, lrm, momentum, decay)
 

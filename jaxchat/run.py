@@ -187,7 +187,7 @@ def build_run(settings: RunSettings, vocab_size: int, *, mesh: Mesh | None = Non
             weight_decay=settings.weight_decay, adam_betas=(settings.adam_beta1, settings.adam_beta2),
             warmup_ratio=settings.warmup_ratio, warmup_steps=settings.warmup_steps,
             warmdown_ratio=settings.warmdown_ratio, final_lr_frac=settings.final_lr_frac, recipe=settings.recipe,
-            horizon=horizon, mesh=mesh, print_fn=print_fn)
+            horizon=horizon, mesh=mesh, print_fn=print_fn, compute_dtype=model.dtype)
     except ValueError as e:
         raise SettingsError(str(e)) from None
     state = abstract_train_state(config, optimizer, mesh, fsdp=settings.fsdp, seed=settings.seed, **model_kwargs)

@@ -124,12 +124,15 @@ def randomized(config, seed: int = 0):
     return model
 
 
-# What the GPT's maths takes from each nanochat commit (nanochat/gpt.py there): rotary base, the factor on q
-# and k after the QK norm, and the short (S) window for a sequence length. Which layers have value
-# embeddings, and whether there is a smear and a backout, the state dict's names say, as nanochat's modules.
+# What the GPT's maths takes from each nanochat commit (nanochat/gpt.py there): rotary base, whether its
+# cos/sin table is bf16 whatever the compute dtype (bdcc030's `.bfloat16()`; 92d63d4's `.to(COMPUTE_DTYPE)`
+# is float32 in a float32 run), the factor on q and k after the QK norm, and the short (S) window for a sequence
+# length. Which layers have value embeddings, and whether there is a smear and a backout, the state dict's
+# names say, as nanochat's modules.
 NANOCHAT_MATHS = {
-    "bdcc030": {"rotary_base": 10000, "qk_scale": 1.0, "short_window": lambda T: T // 2},
-    "92d63d4": {"rotary_base": 100000, "qk_scale": 1.2, "short_window": lambda T: -(-T // 4 // 128) * 128},
+    "bdcc030": {"rotary_base": 10000, "bf16_table": True, "qk_scale": 1.0, "short_window": lambda T: T // 2},
+    "92d63d4": {"rotary_base": 100000, "bf16_table": False, "qk_scale": 1.2,
+                "short_window": lambda T: -(-T // 4 // 128) * 128},
 }
 
 
@@ -151,7 +154,8 @@ def np_forward(sd: dict, config, idx: np.ndarray, rnd=exact, recipe: str = "bdcc
     H, Hkv, D, C = config.n_head, config.n_kv_head, config.n_embd // config.n_head, config.n_embd
     inv_freq = (1.0 / (maths["rotary_base"] ** (np.arange(0, D, 2, dtype=np.float32) / D))).astype(np.float32)
     angles = np.arange(T, dtype=np.float32)[:, None] * inv_freq[None, :]  # float32 as nanochat's table
-    cos, sin = bf16_round(np.cos(angles.astype(np.float64))), bf16_round(np.sin(angles.astype(np.float64)))
+    table = bf16_round if maths["bf16_table"] else rnd  # in the compute dtype at 92d63d4: bf16 where rnd rounds
+    cos, sin = table(np.cos(angles.astype(np.float64))), table(np.sin(angles.astype(np.float64)))
 
     def rotary(x):  # (B, T, h, D)
         x1, x2 = x[..., : D // 2], x[..., D // 2 :]

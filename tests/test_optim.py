@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxchat.gpt import GPT, GPTConfig
+from jaxchat.gpt import GPT, GPTConfig, abstract_model
 from jaxchat.optim import (
     describe_param_groups,
     group_learning_rates,
@@ -262,3 +262,26 @@ def test_tiny_model_memorises_a_fixed_batch():
     first, last = float(losses[0]), float(losses[-1])
     assert first == pytest.approx(math.log(TINY.vocab_size), rel=0.1)
     assert last < first / 50, (first, last)
+
+
+def test_polar_express_follows_each_recipes_rule():
+    """bdcc030 multiplies in bf16 whatever the compute dtype (nanochat/muon.py there); 92d63d4 in the compute
+    dtype (nanochat/optim.py there): float32 in a float32 run. Seen in the Muon transform each builds."""
+    from jaxchat import optim
+
+    params = nnx.state(abstract_model(TINY), nnx.Param)
+    seen = []
+    real_muon = optim.muon
+
+    def recording_muon(**kwargs):
+        seen.append(jnp.dtype(kwargs["polar_dtype"]))
+        return real_muon(**kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(optim, "muon", recording_muon)
+        for recipe, dtype in (("bdcc030", jnp.float32), ("bdcc030", jnp.bfloat16), ("92d63d4", jnp.float32),
+                              ("92d63d4", jnp.bfloat16)):
+            setup_optimizer(params, model_dim=TINY.n_embd, depth=TINY.n_layer, num_iterations=4,
+                            total_batch_size=2**19, recipe=recipe, compute_dtype=dtype,
+                            horizon=optim.Horizon(1e6, 1e6))
+    assert seen == [jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)]

@@ -195,7 +195,10 @@ def leaf_names(tree):
             for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
-def test_every_group_matches_the_float64_maths_over_five_steps():
+@pytest.mark.parametrize("compute_dtype", [jnp.float32, jnp.bfloat16])
+def test_every_group_matches_the_float64_maths_over_five_steps(compute_dtype):
+    """Polar Express follows the model's compute dtype at 92d63d4: float32 in a float32 run (as nanochat's
+    `X = g.bfloat16() if COMPUTE_DTYPE == torch.bfloat16 else g`), bf16 in a bf16 one."""
     N, warmup, warmdown, final = 12, 3, 0.5, 0.05
     target, reference = 3_000_000, 1_000_000.0
     wd = 0.28 * math.sqrt(2**17 / 2**19) * reference / target
@@ -203,7 +206,8 @@ def test_every_group_matches_the_float64_maths_over_five_steps():
     params = params_92d63d4(rng)
     opt = setup_optimizer(params, model_dim=C, depth=L, num_iterations=N, total_batch_size=2**17,
                           unembedding_lr=0.008, weight_decay=0.28, warmup_steps=warmup, warmdown_ratio=warmdown,
-                          final_lr_frac=final, recipe="92d63d4", horizon=Horizon(target, reference))
+                          final_lr_frac=final, recipe="92d63d4", horizon=Horizon(target, reference),
+                          compute_dtype=compute_dtype)
     names = leaf_names(params)
     ref, nanochat = {}, {}  # float64; Muon also with nanochat's bf16 rounding, the yardstick
     for name, p in zip(names, jax.tree.leaves(params)):
@@ -240,11 +244,13 @@ def test_every_group_matches_the_float64_maths_over_five_steps():
             tolerance = 5 * (F32_EPS / 2 * np.abs(p_ref) + 10 * F32_EPS * ADAMW[name][0])
             assert np.all(np.abs(np.asarray(p, np.float64) - p_ref) <= tolerance), name
         else:
-            # bf16 Polar Express: no further from the float64 maths than nanochat's own bf16 (emulated)
             for w0, w, (w_ref, _, _), (w_nano, _, _) in zip(torch_matrices(p0), torch_matrices(p), ref[name],
                                                             nanochat[name]):
                 ours, theirs = rel_err(w - w0, w_ref - w0), rel_err(w_nano - w0, w_ref - w0)
-                assert theirs > 1e-3 and ours <= theirs, (name, ours, theirs)
+                if compute_dtype == jnp.float32:  # the float32 polynomial: see the module's docstring
+                    assert ours < 1e-4, (name, ours)
+                else:  # bf16 Polar Express: no further from the float64 maths than nanochat's own bf16 (emulated)
+                    assert theirs > 1e-3 and ours <= theirs, (name, ours, theirs)
 
 
 # ---- schedules, batch size and scaling ----------------------------------------------------------------
