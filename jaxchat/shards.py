@@ -14,8 +14,6 @@ import pyarrow.parquet as pq
 from jaxchat.common import base_dir_hint, get_base_dir
 
 CORPUS_INFO_FILE = "corpus.json"  # marks a data dir built from local text, so downloads never mix in
-GET_DATA_HINT = ("run `python -m jaxchat.dataset -n 8` (FineWeb-Edu; add --corpus climbmix for recipe 92d63d4) or "
-                 "`python -m jaxchat.dataset --builtin` (offline)")
 
 
 def shard_filename(index: int) -> str:
@@ -65,6 +63,24 @@ class CorruptShardError(ValueError):
 # Listing and reading
 
 
+def get_data_hint(where: str) -> str:
+    """Commands that put shards where a run looks (`where`), so that each one works as given: the download of
+    the corpus whose directory it is, the offline built-in corpus written there, and the other corpus
+    directories of this base dir that already hold shards (e.g. the CPU demo's built-in shards in base_data
+    while recipe 92d63d4 looks in base_data_climbmix)."""
+    where = os.path.abspath(where)
+    corpus_dirs = {name: os.path.abspath(get_data_dir(None, name)) for name in CORPORA}
+    commands = [f"`python -m jaxchat.dataset -n 8{'' if name == DEFAULT_CORPUS else f' --corpus {name}'}` "
+                f"(downloads {name})" for name, path in corpus_dirs.items() if path == where]
+    data_dir_flag = "" if where == corpus_dirs[DEFAULT_CORPUS] else f" --data-dir {where}"
+    commands.append(f"`python -m jaxchat.dataset --builtin{data_dir_flag}` (offline)")
+    hint = "run " + " or ".join(commands)
+    for path in corpus_dirs.values():
+        if path != where and len(list_parquet_files(path)) >= 2:
+            hint += f"; or train on the shards already in {path} with --data-dir {path}"
+    return hint
+
+
 def list_parquet_files(data_dir: str | None = None) -> list[str]:
     """Full paths of the shards in data_dir, sorted by name (so the last one is the validation split)."""
     data_dir = get_data_dir(data_dir)
@@ -81,7 +97,7 @@ def parquet_paths_for_split(split: str, data_dir: str | None = None) -> list[str
     if len(paths) < 2:
         found = "no shards" if not paths else "only one shard (the validation split)"
         where = get_data_dir(data_dir)
-        raise FileNotFoundError(f"{found} in {where}{base_dir_hint(where)}; need at least 2: {GET_DATA_HINT}")
+        raise FileNotFoundError(f"{found} in {where}{base_dir_hint(where)}; need at least 2: {get_data_hint(where)}")
     return paths[:-1] if split == "train" else paths[-1:]
 
 

@@ -75,6 +75,36 @@ def test_missing_shards_say_which_command_to_run(tmp_path, num_shards):
             list_row_groups(split, str(tmp_path))
 
 
+def test_a_recipe_without_shards_gets_commands_that_work_as_given(tmp_path, monkeypatch, capsys):
+    """After the CPU demo (built-in shards in base_data), recipe 92d63d4 looks in base_data_climbmix: the error
+    names ClimbMix's download, the built-in corpus written where the recipe looks, and the demo's shards; the
+    offline command, run as printed, makes the recipe's directory trainable."""
+    import re
+    import shlex
+
+    from jaxchat.settings import RunSettings
+
+    monkeypatch.setenv("JAXCHAT_BASE_DIR", str(tmp_path))
+    make_shards(tmp_path / "base_data", 2)
+    where = RunSettings.for_recipe("92d63d4").corpus_dir
+    with pytest.raises(FileNotFoundError) as info:
+        parquet_paths_for_split("train", where)
+    message = str(info.value)
+    assert "`python -m jaxchat.dataset -n 8 --corpus climbmix` (downloads climbmix)" in message, message
+    assert f"train on the shards already in {tmp_path / 'base_data'} with --data-dir {tmp_path / 'base_data'}" in message
+    offline = re.search(r"`python -m jaxchat.dataset (--builtin[^`]*)` \(offline\)", message).group(1)
+    assert offline == f"--builtin --data-dir {where}"
+    dataset.main(shlex.split(offline))
+    assert len(parquet_paths_for_split("train", where)) >= 1
+    # the default corpus's own directory, emptied: its download and --builtin need no --data-dir
+    for path in list_parquet_files(str(tmp_path / "base_data")):
+        os.remove(path)
+    with pytest.raises(FileNotFoundError, match=re.escape(
+            "run `python -m jaxchat.dataset -n 8` (downloads fineweb-edu) or `python -m jaxchat.dataset --builtin` "
+            f"(offline); or train on the shards already in {where} with --data-dir {where}")):
+        parquet_paths_for_split("train")
+
+
 def test_corrupt_shards_are_named(tmp_path):
     make_shards(tmp_path, 3)
     bad = tmp_path / shard_filename(1)
