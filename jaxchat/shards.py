@@ -73,6 +73,9 @@ def get_data_hint(where: str) -> str:
     commands = [f"`python -m jaxchat.dataset -n 8{'' if name == DEFAULT_CORPUS else f' --corpus {name}'}` "
                 f"(downloads {name})" for name, path in corpus_dirs.items() if path == where]
     data_dir_flag = "" if where == corpus_dirs[DEFAULT_CORPUS] else f" --data-dir {where}"
+    if not commands:  # a directory of the user's choosing: either corpus can go there
+        commands.append(f"`python -m jaxchat.dataset -n 8{data_dir_flag}` (downloads {DEFAULT_CORPUS}; "
+                        f"--corpus NAME for another of {', '.join(CORPORA)})")
     commands.append(f"`python -m jaxchat.dataset --builtin{data_dir_flag}` (offline)")
     hint = "run " + " or ".join(commands)
     for path in corpus_dirs.values():
