@@ -18,6 +18,7 @@ from typing import Any
 from jaxchat.checkpoint_meta import LATEST, parse_resume_step
 from jaxchat.fp8 import RECIPES as FP8_RECIPES
 from jaxchat.mesh import HEARTBEAT_TIMEOUT_S
+from jaxchat.profiling import ProfileStepsError, parse_profile_steps
 from jaxchat.gpt import DEFAULT_RECIPE, REMAT_POLICIES, check_window_pattern, width_and_heads
 from jaxchat.shards import DEFAULT_CORPUS, get_data_dir
 
@@ -165,6 +166,9 @@ class RunSettings:
     heartbeat_timeout: int = setting(HEARTBEAT_TIMEOUT_S, "seconds without a heartbeat after which the coordination "
                                      "service declares a process of a multi-process run lost and ends the others",
                                      "JAX", nanochat=False, positive=True)
+    profile_steps: str | None = setting(None, "trace steps A..B-1 (A:B, as a Python slice) with jax.profiler into "
+                                        "<base_dir>/profiles/<model_tag>, for XProf or Perfetto (jaxchat.profiling)",
+                                        "JAX", nanochat=False)
     loader_workers: int = setting(4, "threads reading and tokenising data", "JAX", nanochat=False)
     remat: str = setting("auto", "what each block keeps for the backward pass: everything, matmul outputs, or its "
                          "input only (auto: the first of none, dots, block whose estimated memory fits the device, "
@@ -218,6 +222,11 @@ class RunSettings:
             raise SettingsError(f"--init-from starts a new run from given weights and --resume-from-step "
                                 f"{self.resume_from_step} continues this one: pass one of them (with --resume-from-step "
                                 "latest, --init-from applies to a requeued job's first start only)")
+        if self.profile_steps is not None:
+            try:
+                parse_profile_steps(self.profile_steps)
+            except ProfileStepsError as e:
+                raise SettingsError(str(e)) from None
         try:
             check_window_pattern(self.window_pattern)
         except ValueError as e:
@@ -226,6 +235,11 @@ class RunSettings:
             width_and_heads(self.depth, self.aspect_ratio, self.head_dim, self.recipe)
         except ValueError as e:  # the message names the flags
             raise SettingsError(str(e)) from None
+
+    @property
+    def profile_window(self) -> tuple[int, int] | None:
+        """--profile-steps as (A, B), the steps A..B-1, or None."""
+        return None if self.profile_steps is None else parse_profile_steps(self.profile_steps)
 
     @property
     def recipe_spec(self) -> Recipe:

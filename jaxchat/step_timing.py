@@ -18,6 +18,7 @@ from jaxchat.common import peak_flops_per_device
 from jaxchat.gpt import estimate_flops
 from jaxchat.mesh import batch_sharding, make_mesh, put_batch
 from jaxchat.muon import polar_express_flops
+from jaxchat.profiling import StepProfiler
 from jaxchat.run import RunSettings, build_run
 
 
@@ -69,10 +70,11 @@ def _breakdown(run, params, opt_state, inputs, targets, steps: int) -> tuple[flo
 
 
 def time_train_step(settings: RunSettings, vocab_size: int, *, grad_accum: int = 1, steps: int = 10,
-                    breakdown: bool = True) -> dict:
+                    breakdown: bool = True, profiler: StepProfiler | None = None) -> dict:
     """The train step that scripts.train builds for these settings (jaxchat.run), grad_accum
     micro-steps per step over settings.num_devices devices, on random tokens. breakdown=False leaves
-    out forward+backward alone and the update alone (two more compilations)."""
+    out forward+backward alone and the update alone (two more compilations). profiler: its window's steps
+    run after the timed ones, outside their timing, traced (jaxchat.profiling)."""
     mesh = make_mesh(settings.num_devices)
     world = mesh.devices.size
     tokens_per_step = grad_accum * settings.device_batch_size * world * settings.max_seq_len
@@ -97,6 +99,11 @@ def time_train_step(settings: RunSettings, vocab_size: int, *, grad_accum: int =
         params, opt_state, metrics = step(params, opt_state, inputs, targets)
     jax.block_until_ready((params, opt_state, metrics))
     step_s = (time.perf_counter() - start) / steps
+    if profiler and profiler.start is not None:
+        for n in range(profiler.start, profiler.stop):
+            with profiler.step(n):
+                params, opt_state, metrics = step(params, opt_state, inputs, targets)
+            profiler.after_step(n, (params, opt_state, metrics))
 
     flops_per_token = estimate_flops(run.config)
     micro_tokens = settings.device_batch_size * world * settings.max_seq_len

@@ -3,6 +3,7 @@ Benchmarks that print a table (and can write JSON). Speed is measured here, neve
 
   python -m scripts.bench train --depth 4 --max-seq-len 512 --device-batch-size 4 --vocab-size 8192
   python -m scripts.bench train --depth 12 --window-pattern SSSL L          # one row per pattern
+  python -m scripts.bench train --depth 4 --profile-steps 0:3     # and a jax.profiler trace of 3 more steps
   python -m scripts.bench loader --builtin --vocab-size 8192
   python -m scripts.bench checkpoint --depth 4 --vocab-size 8192
   python -m scripts.bench decode --depth 4 --max-seq-len 512 --vocab-size 8192
@@ -44,11 +45,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxchat.common import fail, format_table, quiet_jax_warnings, tree_nbytes
+from jaxchat.common import fail, format_table, get_base_dir, quiet_jax_warnings, tree_nbytes
 from jaxchat.engine import Engine
 from jaxchat.gpt import GPT, REMAT_POLICIES, GPTConfig
 from jaxchat.hlo import SLICED_ALL_REDUCE
 from jaxchat.memory import memory_estimate
+from jaxchat.profiling import ProfileStepsError, StepProfiler, parse_profile_steps
 from jaxchat.run import RunSettings, build_run
 from jaxchat.runtime import GPU_MEMORY_FRACTION
 from jaxchat.staged_files import make_parent_dir
@@ -58,6 +60,17 @@ TARGET_TOKENS_PER_S = 1e6  # what a d20 run on 8 H100s consumes per host
 FINEWEB_CROPPED_FRACTION = 0.35  # nanochat's figure for best-fit packing at T=2048 on FineWeb-Edu
 DEFAULTS = RunSettings()  # scripts.train's defaults: the model shape flags below default to them
 SPEEDRUN_VOCAB_SIZE = 65536  # scripts.tok_train's --vocab-size in the speedrun
+
+
+def profile_steps_flag(text: str) -> tuple[int, int]:
+    try:
+        return parse_profile_steps(text)
+    except ProfileStepsError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def default_profile_dir() -> str:
+    return os.path.join(get_base_dir(), "profiles", "bench")
 
 
 def print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
@@ -224,7 +237,10 @@ def main_train(args: argparse.Namespace) -> list[dict]:
                                max_seq_len=args.max_seq_len, window_pattern=pattern,
                                device_batch_size=args.device_batch_size, num_devices=args.num_devices, fsdp=args.fsdp,
                                attention=args.attention or DEFAULTS.attention, remat=remat)
-        results.append(time_train_step(settings, args.vocab_size, grad_accum=args.grad_accum, steps=args.steps))
+        slug = f"d{depth}_{pattern}_{remat}"
+        profiler = StepProfiler(args.profile_steps, os.path.join(args.profile_dir or default_profile_dir(), slug))
+        results.append(time_train_step(settings, args.vocab_size, grad_accum=args.grad_accum, steps=args.steps,
+                                       profiler=profiler))
         print(f"... {results[-1]['config']}: {results[-1]['step_ms']:.1f} ms/step", flush=True)
     print_table(results, TRAIN_COLUMNS)
     print("update_share: one optimizer update alone over the whole step. xla_over_estimate: XLA's FLOPs of "
@@ -342,6 +358,10 @@ def main(argv: list[str] | None = None) -> None:
     train.add_argument("--steps", type=int, default=10, help="timed steps after one warm-up step")
     train.add_argument("--remat", nargs="+", choices=["auto", *REMAT_POLICIES], default=[DEFAULTS.remat],
                        help="one row per policy (default: scripts.train's)")
+    train.add_argument("--profile-steps", type=profile_steps_flag, default=None, metavar="A:B",
+                       help="after the timed steps, B-A more steps traced with jax.profiler as steps A..B-1, one "
+                            "trace per row (jaxchat.profiling)")
+    train.add_argument("--profile-dir", default=None, help="where the traces go (default: <base_dir>/profiles/bench)")
     checkpoint = sub.add_parser("checkpoint", help="async against blocking checkpoint saves; sizes")
     checkpoint.add_argument("--depth", type=int, default=4)
     checkpoint.add_argument("--vocab-size", type=int, default=8192)

@@ -13,6 +13,7 @@ JAX_PROCESS_ID set (or under SLURM's srun); each process feeds the devices it ow
 from __future__ import annotations  # the library types below are for type checkers: the script imports lazily
 
 import dataclasses
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     import grain
 
     from jaxchat.checkpoint import RunCheckpoints
+    from jaxchat.profiling import StepProfiler
     from jaxchat.report import Report
     from jaxchat.run import Run
     from jaxchat.tokenizer import Tokenizer
@@ -305,14 +307,38 @@ def sample(s: Session) -> None:
 def run_loop(s: Session) -> bool:
     """num_iterations + 1 passes, so that the last one evaluates and saves; True when a signal stopped it
     before its last step. Each step is sent, then the previous step's loss is read while it runs."""
-    from jaxchat.common import print0
-    from jaxchat.mesh import batch_sharding, put_batch
+    from jaxchat.mesh import batch_sharding
     from jaxchat.train_loop import StopSignals
 
-    loop, logger, policy = s.loop, s.logger, s.policy
     batch_spec = batch_sharding(s.run.mesh)
     train_step = s.run.train_step()
     stop = StopSignals(s.run.mesh)
+    profiler = make_profiler(s)
+    try:
+        return train_steps(s, train_step, batch_spec, stop, profiler)
+    finally:
+        profiler.close()
+
+
+def make_profiler(s: Session) -> StepProfiler:
+    """--profile-steps' tracer, into <base_dir>/profiles/<model tag>; a window this run never reaches is said."""
+    from jaxchat.common import get_base_dir, print0
+    from jaxchat.profiling import StepProfiler
+
+    window = s.settings.profile_window
+    trace_dir = os.path.join(get_base_dir(), "profiles", os.path.basename(s.checkpointer.directory))
+    if window and not s.loop.step <= window[0] < s.run.num_iterations:
+        print0(f"--profile-steps {s.settings.profile_steps}: this run trains steps {s.loop.step}.."
+               f"{s.run.num_iterations - 1}, so nothing is traced")
+    return StepProfiler(window, trace_dir)
+
+
+def train_steps(s: Session, train_step, batch_spec, stop, profiler: StepProfiler) -> bool:
+    """run_loop's loop: each pass does the work due between steps, then sends the next step."""
+    from jaxchat.common import print0
+    from jaxchat.mesh import put_batch
+
+    loop, logger, policy = s.loop, s.logger, s.policy
     # each piece of work between steps; the save comes before CORE and samples, so that nothing they do
     # can cost the run its checkpoint
     between_steps = [(policy.eval, evaluate_val), (policy.save, save), (policy.core, evaluate_core_metric),
@@ -338,8 +364,10 @@ def run_loop(s: Session) -> bool:
             return False
         inputs, targets = next(s.train_loader)
         dispatched_at = time.perf_counter()
-        s.state.params, s.state.opt_state, metrics = train_step(
-            s.state.params, s.state.opt_state, put_batch(inputs, batch_spec), put_batch(targets, batch_spec))
+        with profiler.step(step):
+            s.state.params, s.state.opt_state, metrics = train_step(
+                s.state.params, s.state.opt_state, put_batch(inputs, batch_spec), put_batch(targets, batch_spec))
+        profiler.after_step(step, metrics)
         metrics["stop"] = stop.vote()  # sent with the step, read with its metrics
         logger.flush(loop)
         logger.pending = (step, metrics, dispatched_at, s.train_loader.get_state().get("epoch", 1))

@@ -46,6 +46,8 @@ SMALL = ["--depth=2", "--max-seq-len=128", "--device-batch-size=4", "--total-bat
     (["--save-every=0"], "--save-every 0: -1 means off"),
     (["--num-devices=-2"], "--num-devices -2: -1 means all"),
     (["--fp8", "--fp8-recipe=rowwise"], "--fp8-recipe 'rowwise' is not supported: only 'tensorwise'"),
+    (["--profile-steps=5:2"], "--profile-steps '5:2': give A:B, the steps A..B-1 to trace with 0 <= A < B"),
+    (["--profile-steps=a:b"], "--profile-steps 'a:b': give A:B"),
 ])
 def test_bad_input_stops_with_a_message(tmp_path, monkeypatch, capsys, flags, message):
     """In this process (main(argv) is the whole script): each must exit with status 2 and a message on
@@ -93,6 +95,33 @@ def test_a_rerun_or_a_second_run_on_a_tag_is_refused_before_any_write(tmp_path, 
         with pytest.raises(SystemExit, match="2"):
             train_script.main(contradiction)
         assert message in capsys.readouterr().err
+
+
+def test_profile_steps_trace_those_steps_and_say_where(tmp_path, monkeypatch, capsys, make_base_dir):
+    """--profile-steps 1:3 on the CPU: one line says where the trace is and how to open it; the trace holds
+    XProf's and Perfetto's files, an annotation for each of steps 1 and 2 (not 0 or 3), and XLA's ops of the
+    device work that ran inside the window (the trace stops after it, not at dispatch)."""
+    import gzip
+    import json
+
+    from jaxchat.profiling import trace_files
+
+    monkeypatch.setenv("JAXCHAT_BASE_DIR", str(make_base_dir(tmp_path)))
+    train_script.main([*SMALL, "--device-type=cpu", "--num-iterations=4", "--eval-every=-1", "--core-metric-every=-1",
+                       "--sample-every=-1", "--model-tag=traced", "--profile-steps=1:3"])
+    trace_dir = tmp_path / "profiles" / "traced"
+    out = capsys.readouterr().out
+    assert (f"Profile of steps 1..2 in {trace_dir}: open it with `xprof --logdir {trace_dir}` (pip install xprof), "
+            "or its perfetto_trace.json.gz at https://ui.perfetto.dev") in out, out
+    files = trace_files(str(trace_dir))
+    assert {os.path.basename(f).split(".", 1)[-1] for f in files} >= {"xplane.pb", "trace.json.gz"}, files
+    perfetto = [f for f in files if f.endswith("perfetto_trace.json.gz")]
+    with gzip.open(perfetto[0]) as f:
+        events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    steps = sorted(int(e["args"]["step_num"]) for e in events if e.get("name") == "train")
+    assert steps == [1, 2]
+    assert any("fusion" in e.get("name", "") for e in events)  # XLA:CPU's kernels of the traced steps
 
 
 def run_to_its_error(start_train, base_dir, *flags, **env) -> str:
