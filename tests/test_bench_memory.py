@@ -178,14 +178,11 @@ def test_dots_keeps_the_matmul_outputs_and_cudnn_attention():
     assert attention == sorted([("bfloat16", (batch, seq, H, C // H))] * L + [("float32", (batch, H, seq))] * L)
 
 
+@pytest.mark.cuda_plugin
 @pytest.mark.parametrize("devices", [1, 2])
 def test_the_estimate_against_the_step_compiled_for_h100s(devices):
     """scripts.bench memory's estimate (abstract shapes, a CPU) against XLA's memory analysis of the same
     step compiled for H100s (jaxchat.compile_only). Needs JAX's CUDA plugin (the cuda12 extra), no GPU."""
-    from jaxchat.runtime import cuda_plugin_installed
-
-    if not cuda_plugin_installed():
-        pytest.skip("needs JAX's CUDA plugin to compile for an H100 target: pip install -e '.[cuda12]'")
     from jaxchat.compile_only import compile_for_target
 
     batch, seq, vocab = 4, 512, 8192

@@ -263,6 +263,22 @@ def test_the_step_lowered_for_cuda_has_fp8_dots():
     assert scaled == len(kinds)
 
 
+@pytest.mark.cuda_plugin
+def test_the_step_compiled_for_an_h100_runs_its_fp8_dots_as_fp8_cublaslt_gemms():
+    """The d2 --fp8 step compiled for one H100 (XLA:GPU's whole pipeline, no GPU): every fp8 matmul is an fp8
+    cuBLASLt GEMM (`__cublas$lt$matmul$f8`), 14 per layer (XLA merges the q, k, v matmuls that share their
+    input, and their wgrads: 6 + 6 + 6 - 4) and 4 for the loss head (forward, its recompute, dgrad, wgrad), as
+    docs/benchmarks.md counts them; and nothing in the program is f16. A target without a CUDA version
+    (jaxchat/targets' runtime_version) compiles them as f16 GEMMs of upcast e4m3 values instead."""
+    from jaxchat.compile_only import compile_for_target
+
+    depth = 2
+    settings = RunSettings(depth=depth, max_seq_len=256, device_batch_size=2, remat="dots", fp8=True)
+    compiled = compile_for_target(settings, 1024, 1)
+    assert compiled["kernels"]["gemm"].get("cublaslt_fp8") == 14 * depth + 4, compiled["kernels"]["gemm"]
+    assert not re.search(r"(?<![\w])f16\[", compiled["hlo"])  # (bf16 is \w-prefixed: not counted)
+
+
 def rounding_sensitivities(monkeypatch, graphdef, params, idx, targets) -> np.ndarray:
     """|dL/da| (u |a| + s_a) for every operand element a of the forward's fp8 matmuls, on the model without
     fp8: how far e4m3's rounding of a can move the loss, to first order. The activations' part comes from

@@ -112,15 +112,12 @@ def test_compile_only_says_what_to_install(tmp_path, environment):
     assert "cuda12" in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
+@pytest.mark.cuda_plugin
 def test_compile_only_for_h100s(tmp_path, environment):
     """The d2 step compiled for 1 and 2 H100s (no GPU): one report each, with cuDNN attention run once
     forward and once backward per layer (--remat dots keeps its results), the first layer's short window
     (T/2 = 128, which XLA counts with the diagonal: 129) and the last layer's full context (0), and
     ZeRO-1's collectives on 2 devices counted by hand."""
-    from jaxchat.runtime import cuda_plugin_installed
-
-    if not cuda_plugin_installed():
-        pytest.skip("needs JAX's CUDA plugin to compile for an H100 target: pip install -e '.[cuda12]'")
     report = tmp_path / "c.json"
     done = subprocess.run(command("--compile-only", "--depth", "2", "--max-seq-len", "256", "--device-batch-size", "2",
                                   "--vocab-size", "1024", "--devices", "1", "2", "--remat", "dots", "--json", str(report)),
