@@ -29,10 +29,37 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int, impl
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention implementation {implementation!r}; use one of {IMPLEMENTATIONS}")
     T = q.shape[1]
+    if implementation == "xla":
+        return blocked_attention(q, k, v, window)
     local_window = None if window >= T - 1 else (window, 0)
     return jax.nn.dot_product_attention(
         q, k, v, is_causal=True, local_window_size=local_window, implementation=implementation
     )
+
+
+def query_block_len(T: int) -> int:
+    """Rows per query block of blocked_attention: 128 (the fastest of 64, 128, 256 on the CPU at T=512, d4's
+    heads), more for long contexts, so that a layer is at most 8 blocks (each is its own ops in the program)."""
+    return max(128, -(-T // 8))
+
+
+def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int) -> jax.Array:
+    """causal_attention's 'xla' path, in blocks of query rows, each against the keys it can see only:
+    [start - window, stop) for queries [start, stop). Plain XLA computes and masks the whole T x T square of
+    scores; causality alone masks half of it, a short window more (at T = 512: 44% of an S layer's scores
+    and 38% of an L layer's are skipped). Each query's softmax is over the same unmasked keys as before:
+    the masked ones added exact zeros, so only the grouping of the row sum's float32 additions changes."""
+    T = q.shape[1]
+    block = query_block_len(T)
+    outputs = []
+    for start in range(0, T, block):
+        stop = min(T, start + block)
+        first_key = max(0, start - window)
+        delta = jnp.arange(start, stop)[:, None] - jnp.arange(first_key, stop)[None, :]
+        mask = (delta >= 0) & (delta <= window)
+        outputs.append(jax.nn.dot_product_attention(q[:, start:stop], k[:, first_key:stop], v[:, first_key:stop],
+                                                    mask=mask[None, None], implementation="xla"))
+    return jnp.concatenate(outputs, axis=1)
 
 
 def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, q_start: jax.Array, window: int) -> jax.Array:

@@ -34,7 +34,7 @@ from flax import nnx
 from jaxchat import fp8
 from jaxchat.attention import cached_attention, causal_attention, default_implementation
 from jaxchat.common import compute_dtype
-from jaxchat.loss import DEFAULT_CHUNK_LEN, softcap_logits, token_losses, token_scores
+from jaxchat.loss import DEFAULT_CHUNK_LEN, loss_sum_over, softcap_logits, token_losses, token_scores
 
 VOCAB_PAD_MULTIPLE = 64
 ROTARY_LENGTH_FACTOR = 10  # rotary positions exist for 10x the training length (for generation)
@@ -501,7 +501,11 @@ class GPT(nnx.Module):
         x = self.hidden(idx)
         if targets is None:
             return softcap_logits(x, self._unembedding())
-        losses = token_losses(x, self._unembedding(), targets, self.loss_chunk_len, fp8=self.lm_head.fp8_enabled)
+        w, fp8_on = self._unembedding(), self.lm_head.fp8_enabled
+        if loss_reduction in ("mean", "sum"):  # a training loss: its head computes the gradients with it
+            divisor = jnp.maximum((targets >= 0).sum(), 1) if loss_reduction == "mean" else 1
+            return loss_sum_over(x, w, targets, divisor, self.loss_chunk_len, fp8=fp8_on)
+        losses = token_losses(x, w, targets, self.loss_chunk_len, fp8=fp8_on)
         return reduce_losses(losses, targets >= 0, loss_reduction)
 
     def token_scores(self, idx: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -53,8 +53,9 @@ def test_d20_batch_32_on_an_h100_picks_dots():
     """d20 T2048 B32 V65536, bf16 and cuDNN attention as on the GPU, one device, against XLA's pool on an
     80 GB H100 (0.90 of the target's 79.1 GiB = 71.19 GiB; less the 10% margin, 64.07 GiB). The estimate
     from shapes (the line build_run prints, and docs/benchmarks.md's kept activations): state 8.99 GiB;
-    `none` keeps 104.92 GiB (113.9 in all: over), `dots` keeps 32.08 GiB (41.07 in all: under), so the
-    budget lies between the two policies' needs and auto picks the middle one, dots."""
+    `none` keeps ~105 GiB (over), `dots` keeps 32.39 GiB (41.38 in all: under; of it 0.31 GiB is the loss
+    head's float32 dw, kept from its forward pass, jaxchat.loss), so the budget lies between the two
+    policies' needs and auto picks the middle one, dots."""
     from jaxchat.compile_only import cudnn_without_gpu, target_pool_bytes
 
     lines = []
@@ -65,4 +66,4 @@ def test_d20_batch_32_on_an_h100_picks_dots():
                                num_devices=1, attention="cudnn", compute_dtype="bfloat16")
         run = build_run(settings, 65536, print_fn=lines.append, memory_budget=(target_pool_bytes(), "H100 pool"))
     assert run.settings.remat == "dots"
-    assert [line for line in lines if line.startswith("remat auto: dots (estimate 41.07 GiB per device")]
+    assert [line for line in lines if line.startswith("remat auto: dots (estimate 41.38 GiB per device")]

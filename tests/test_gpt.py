@@ -122,6 +122,33 @@ def test_window_semantics_in_attention():
         assert np.allclose(out[:, :pos], base[:, :pos], atol=1e-6)  # causality
 
 
+@pytest.mark.parametrize("window", [0, 1, 100, 127, 128, 200, 299])
+def test_blocked_attention_against_float64(window):
+    """The 'xla' path in query blocks (jaxchat.attention.blocked_attention): T = 300 is three blocks of 128,
+    128 and 44 rows, windows inside a block, across blocks and the whole context, GQA (4 query heads on 2
+    key heads). Forward against float64 NumPy; gradients against the unblocked masked attention of
+    jax.nn.dot_product_attention (the same maths in one piece), both within float32 rounding of values ~1."""
+    from jaxchat.attention import blocked_attention, query_block_len
+
+    T, H, Hkv, D = 300, 4, 2, 8
+    assert query_block_len(T) == 128
+    rng = np.random.default_rng(window)
+    q, k, v = (rng.normal(size=(2, T, h, D)) for h in (H, Hkv, Hkv))
+    delta = np.arange(T)[:, None] - np.arange(T)[None, :]
+    mask = (delta >= 0) & (delta <= window)
+    kk, vv = np.repeat(k, H // Hkv, axis=2), np.repeat(v, H // Hkv, axis=2)
+    scores = np.where(mask[None, None], np.einsum("bthd,bshd->bhts", q, kk) / np.sqrt(D), -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    ref = np.einsum("bhts,bshd->bthd", p / p.sum(-1, keepdims=True), vv)
+    q32, k32, v32 = (jnp.asarray(a, jnp.float32) for a in (q, k, v))
+    out, vjp = jax.vjp(jax.jit(lambda q, k, v: blocked_attention(q, k, v, window)), q32, k32, v32)
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+    whole = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=jnp.asarray(mask)[None, None])  # noqa: E731
+    cotangent = jnp.asarray(rng.normal(size=out.shape), jnp.float32)
+    for got, want in zip(vjp(cotangent), jax.vjp(jax.jit(whole), q32, k32, v32)[1](cotangent)):
+        np.testing.assert_allclose(got, want, atol=1e-5 * float(jnp.abs(want).max()))
+
+
 def test_window_semantics_in_model_layers():
     config = GPTConfig(sequence_len=16, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=16, window_pattern="S")
     assert config.window_sizes() == (8, 16)  # last layer is always full

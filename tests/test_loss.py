@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxchat.loss import LOGIT_SOFTCAP, token_losses, token_scores
+from jaxchat.loss import LOGIT_SOFTCAP, loss_sum_over, token_losses, token_scores
 
 B, T, C, V = 2, 12, 16, 40
 
@@ -62,6 +62,22 @@ def test_losses_and_gradients_match_float64(chunk_len):
     score_losses, hits = token_scores(x32, w32, jnp.asarray(targets), chunk_len)
     np.testing.assert_allclose(score_losses, ref_losses, rtol=1e-5, atol=1e-5 * np.abs(ref_losses).max())
     np.testing.assert_array_equal(hits, ref_hits)
+
+
+@pytest.mark.parametrize("chunk_len", [4, 5])
+@pytest.mark.parametrize("seed", [1.0, 3.0])  # jax.grad's seed, and another cotangent, which scales both gradients
+def test_the_training_loss_computes_its_gradients_in_the_forward_pass(chunk_len, seed):
+    """loss_sum_over (the mean of a training step: Σ loss / valid targets) against float64, and its gradients
+    under any cotangent (the seed scales them)."""
+    x, w, targets = inputs()
+    ref_losses, ref_dx, ref_dw, _ = np_softcap_ce(x, w, targets)
+    count = (targets >= 0).sum()
+    x32, w32, t = jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32), jnp.asarray(targets)
+    mean = lambda x, w: seed * loss_sum_over(x, w, t, count, chunk_len)  # noqa: E731
+    loss, (dx, dw) = jax.value_and_grad(mean, argnums=(0, 1))(x32, w32)
+    np.testing.assert_allclose(loss, seed * ref_losses.sum() / count, rtol=1e-5)  # ~100 ulps, as above
+    np.testing.assert_allclose(dx, seed * ref_dx / count, atol=1e-5 * np.abs(ref_dx / count).max())
+    np.testing.assert_allclose(dw, seed * ref_dw / count, atol=1e-5 * np.abs(ref_dw / count).max())
 
 
 def test_bfloat16_hidden_states_accumulate_in_float32():
