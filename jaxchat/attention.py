@@ -4,7 +4,8 @@ Query i sees key j iff 0 <= i - j <= window (FlashAttention's window_size=(windo
 Two implementations behind one switch:
 - 'cudnn': cuDNN flash attention on GPU, in bfloat16. The window is passed to the kernel, so a
   short window skips the masked blocks and saves compute, not just masks them.
-- 'xla': plain XLA with an exact boolean mask; runs anywhere (the CPU default).
+- 'xla': plain XLA with an exact boolean mask, in blocks of query rows that skip the keys causality and
+  the window hide (blocked_attention); runs anywhere (the CPU default).
 Decoding with a KV cache always uses the XLA path with an explicit mask: queries sit at an offset
 into the cache, which the kernels' aligned causal mask cannot express.
 """
