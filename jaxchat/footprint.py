@@ -23,7 +23,7 @@ from jaxchat.gpt import GPTConfig, abstract_model
 REMAT_BY_COST = ("none", "dots", "block")
 # The share of the device's budget left to what the estimate does not see: XLA's scheduling and
 # fragmentation. For d20 at device batch 32 compiled for H100s (docs/benchmarks.md) the estimate is above
-# XLA's peak (41.07 against 39.72 GiB on one device, 38.72 against 36.70 on eight): its upper bound on the
+# XLA's peak (41.38 against 39.72 GiB on one device, 39.03 against 36.71 on eight): its upper bound on the
 # micro-step gradients covers XLA's temporaries, the loss head's float32 chunk (1 GiB) among them. What it
 # cannot see is the order XLA schedules in: before the scheduler was told to order for memory, the
 # 8-device peak was 49.80 GiB, 11 GiB above the estimate. A tenth of the budget (7.1 GiB of an H100's
