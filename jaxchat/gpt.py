@@ -502,11 +502,13 @@ class GPT(nnx.Module):
         if targets is None:
             return softcap_logits(x, self._unembedding())
         w, fp8_on = self._unembedding(), self.lm_head.fp8_enabled
-        if loss_reduction in ("mean", "sum"):  # a training loss: its head computes the gradients with it
-            divisor = jnp.maximum((targets >= 0).sum(), 1) if loss_reduction == "mean" else 1
-            return loss_sum_over(x, w, targets, divisor, self.loss_chunk_len, fp8=fp8_on)
-        losses = token_losses(x, w, targets, self.loss_chunk_len, fp8=fp8_on)
-        return reduce_losses(losses, targets >= 0, loss_reduction)
+        if loss_reduction == "none":  # each token's (0 where the target is -1)
+            return token_losses(x, w, targets, self.loss_chunk_len, fp8=fp8_on)
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"unknown loss_reduction {loss_reduction!r}: use 'mean', 'sum' or 'none'")
+        # a training loss: its head computes the gradients with it (jaxchat.loss.loss_sum_over)
+        divisor = jnp.maximum((targets >= 0).sum(), 1) if loss_reduction == "mean" else 1
+        return loss_sum_over(x, w, targets, divisor, self.loss_chunk_len, fp8=fp8_on)
 
     def token_scores(self, idx: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
         """For evaluation: each token's loss (B, T) and whether the greedy prediction equals the target."""
@@ -576,17 +578,6 @@ def use_fp8(model: nnx.Module, enabled: bool = True) -> tuple[int, int]:
     for layer in layers:
         layer.fp8_enabled = enabled and fp8.eligible(layer.in_features, layer.out_features)
     return sum(layer.fp8_enabled for layer in layers), len(layers)
-
-
-def reduce_losses(losses: jax.Array, valid: jax.Array, reduction: str = "mean") -> jax.Array:
-    """Per-token losses (0 where not valid) -> 'mean' over valid tokens, 'sum', or 'none' (unchanged)."""
-    if reduction == "none":
-        return losses
-    if reduction == "mean":
-        return losses.sum() / jnp.maximum(valid.sum(), 1)
-    if reduction == "sum":
-        return losses.sum()
-    raise ValueError(f"unknown loss_reduction {reduction!r}: use 'mean', 'sum' or 'none'")
 
 
 def abstract_model(config: GPTConfig, seed: int = 0, **model_kwargs) -> GPT:

@@ -88,7 +88,7 @@ def _capped_logits(x_c, w, inv_x, inv_w):
 
 def _logit_gradients(s, lse_c, t_c, g_c, x_c, w, w_c, inv_x, inv_w, x_dtype):
     """(dx_c, dw_c) of one chunk: the gradients of Σ g·loss over its tokens, from its capped logits s and
-    their logsumexp; g_c per token (targets of -1 get none)."""
+    their logsumexp; g_c per token, or one for all (targets of -1 get none)."""
     onehot = jax.lax.broadcasted_iota(jnp.int32, s.shape, s.ndim - 1) == t_c[..., None]
     weight = jnp.where(t_c >= 0, g_c, 0.0)[..., None]
     ds = (jnp.exp(s - lse_c[..., None]) - onehot) * weight
@@ -154,17 +154,16 @@ def _loss_sum_over_fwd(x, w, targets, divisor, chunk_len, fp8_dtypes):
     c = _chunk_len(x.shape[1], chunk_len)
     (xq, inv_x), (wq, inv_w) = _head_operands(x, w, fp8_dtypes is not None)
     w_c = wq.astype(x_dtype) if inv_x is None else None
-    # each token's weight in Σ loss / divisor: 1 / divisor, as autodiff of that division gives it
-    g = jnp.broadcast_to(1.0 / divisor, targets.shape)
+    weight = 1.0 / divisor  # each token's in Σ loss / divisor, as autodiff of that division gives it
 
     def body(dw, chunk):
-        x_c, t_c, g_c = chunk
+        x_c, t_c = chunk
         s = _capped_logits(x_c, wq, inv_x, inv_w)
         lse, target_logit, _ = _chunk_stats(s, t_c)
-        dx_c, dw_c = _logit_gradients(s, lse, t_c, g_c, x_c, wq, w_c, inv_x, inv_w, x_dtype)
+        dx_c, dw_c = _logit_gradients(s, lse, t_c, weight, x_c, wq, w_c, inv_x, inv_w, x_dtype)
         return dw + dw_c, (jnp.where(t_c >= 0, lse - target_logit, 0.0), dx_c)
 
-    chunks = (_chunks(xq, c), _chunks(targets, c), _chunks(g, c))
+    chunks = (_chunks(xq, c), _chunks(targets, c))
     dw, (losses, dx) = jax.lax.scan(body, jnp.zeros(w.shape, jnp.float32), chunks)
     return jnp.sum(_unchunk(losses)) / divisor, (_unchunk(dx), dw.astype(w_dtype), divisor)
 
