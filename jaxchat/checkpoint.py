@@ -362,19 +362,6 @@ class RunCheckpoints:
 
         return decided_by_process_0("meta", read, SHARED_ERRORS)
 
-    def _candidates(self, step: int | str) -> list[int]:
-        if step == LATEST:
-            steps = rundir.step_numbers(self.directory)
-            if not steps:
-                raise NoCheckpointError(f"No checkpoints in {self.directory}: nothing to resume from")
-            return list(reversed(steps))
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be a step number or '{LATEST}', got {step!r}")
-        steps = rundir.step_numbers(self.directory)
-        if step not in steps:
-            raise NoCheckpointError(f"No checkpoint step {step} in {self.directory}; steps there: {steps}")
-        return [step]
-
     # -- restoring --
 
     def restore(self, step: int | str, abstract_params, abstract_opt_state=None, param_shardings=None, opt_shardings=None,
@@ -392,7 +379,8 @@ class RunCheckpoints:
         if abstract_opt_state is not None:
             targets["opt_state"] = _abstract_with_shardings(abstract_opt_state, opt_shardings)
         skipped = []
-        for candidate in decided_by_process_0("restore candidates", lambda: self._candidates(step), SHARED_ERRORS):
+        for candidate in decided_by_process_0("restore candidates", lambda: rundir.restore_candidates(self.directory, step),
+                                              SHARED_ERRORS):
             try:
                 restored = self._restore_step(candidate, targets, data_iter, model_config, tokenizer)
             except IncompleteCheckpointError as e:

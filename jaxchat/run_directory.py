@@ -110,6 +110,21 @@ def find_model_tag(checkpoints_root: str) -> str:
     return max(tags, key=lambda t: os.path.getmtime(os.path.join(checkpoints_root, t)))
 
 
+def restore_candidates(directory: str, step: int | str) -> list[int]:
+    """The steps a restore of `step` tries, in order: that step, or for LATEST every step, newest first (the
+    restore skips the damaged ones). NoCheckpointError if there is none."""
+    steps = step_numbers(directory)
+    if step == LATEST:
+        if not steps:
+            raise NoCheckpointError(f"No checkpoints in {directory}: nothing to resume from")
+        return list(reversed(steps))
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step must be a step number or '{LATEST}', got {step!r}")
+    if step not in steps:
+        raise NoCheckpointError(f"No checkpoint step {step} in {directory}; steps there: {steps}")
+    return [step]
+
+
 # ---- the decisions of a run about its directory (made by process 0: jaxchat.checkpoint) ----------------------
 
 def decide_start(directory: str, resume_from_step: int | str, overwrite: bool) -> dict:
@@ -135,8 +150,7 @@ def decide_start(directory: str, resume_from_step: int | str, overwrite: bool) -
                 f"{replaced} holds the checkpoints of a run that an --overwrite run replaced before saving "
                 f"any: pass --overwrite to replace them, or move them back into {directory} to resume them")
         return {"resume": None, "set_aside": steps, "replaces_set_aside": set_aside_before}
-    if resume_from_step not in steps:
-        raise NoCheckpointError(f"No checkpoint step {resume_from_step} in {directory}; steps there: {steps}")
+    restore_candidates(directory, resume_from_step)  # the step exists
     complete = [s for s in steps if s > resume_from_step and step_problem(directory, s) is None]
     if complete and not overwrite:
         raise CheckpointError(
