@@ -74,13 +74,6 @@ def polar_express(x: jax.Array, ns_steps: int = 5, dtype=jnp.bfloat16, *, norm_s
         # XLA may drop a f32 -> bf16 -> f32 pair of casts (SimplifyFPConversions, on GPU by default).
         return jax.lax.reduce_precision(v, finfo.nexp, finfo.nmant)
 
-    def operand(v: jax.Array) -> jax.Array:
-        # v rounded to dtype, as dtype: a matmul operand, and where float32 arithmetic uses it, cast back up
-        # (exactly). The barrier keeps XLA from dropping that cast pair (see rounded), and carrying the
-        # dtype values instead of reduce_precision's float32 ones is a quarter faster on the CPU (Polar
-        # Express of d4's matrices 124 -> 93 ms, the same bits).
-        return jax.lax.optimization_barrier(v.astype(dtype))
-
     def matmul(p: jax.Array, q: jax.Array) -> jax.Array:
         return jnp.matmul(p.astype(dtype), q.astype(dtype), preferred_element_type=f32)
 
@@ -99,10 +92,10 @@ def polar_express(x: jax.Array, ns_steps: int = 5, dtype=jnp.bfloat16, *, norm_s
         # in one term would add the mismatch times a coefficient, |b| up to 22). a, b, c multiply
         # float32 arrays, so they are never rounded (times a bf16 array, a Python float is rounded
         # to bf16 first: 8.1566 -> 8.1875).
-        x = operand(x)
-        gram = operand(matmul(x.mT, x) if tall else matmul(x, x.mT))  # (c, c) or (r, r)
-        poly = b * gram.astype(f32) + c * matmul(gram, gram)
-        x = a * x.astype(f32) + (matmul(x, poly) if tall else matmul(poly, x))
+        x = rounded(x)
+        gram = rounded(matmul(x.mT, x) if tall else matmul(x, x.mT))  # (c, c) or (r, r)
+        poly = b * gram + c * matmul(gram, gram)
+        x = a * x + (matmul(x, poly) if tall else matmul(poly, x))
     return x
 
 
