@@ -72,6 +72,15 @@ def _decode_step(graphdef, state, cache, top_k, tokens, temperature, key):
     return sample_next_token(logits[:, -1], subkey, temperature, top_k), cache, key
 
 
+def default_stop_tokens(tokenizer) -> list[int]:
+    """Where a sample ends: BOS (a new document begins) and <|assistant_end|> (a chat turn ends), if the
+    tokenizer has it. The Hugging Face export's generation config stops at the same tokens."""
+    stops = [tokenizer.get_bos_token_id()]
+    if "<|assistant_end|>" in tokenizer.get_special_tokens():
+        stops.append(tokenizer.encode_special("<|assistant_end|>"))
+    return stops
+
+
 class Engine:
     """Generation for a model with init_cache/decode (jaxchat's GPT). The tokenizer names the stop
     tokens: a row ends when it samples BOS or <|assistant_end|> (or any of stop_tokens, if given).
@@ -80,11 +89,7 @@ class Engine:
     def __init__(self, model: nnx.Module, tokenizer, stop_tokens: set[int] | None = None):
         self.graphdef, self.state = nnx.split(model)
         self.config = model.config
-        if stop_tokens is None:
-            stop_tokens = {tokenizer.get_bos_token_id()}
-            if "<|assistant_end|>" in tokenizer.get_special_tokens():
-                stop_tokens.add(tokenizer.encode_special("<|assistant_end|>"))
-        self.stop_tokens = set(stop_tokens)
+        self.stop_tokens = set(default_stop_tokens(tokenizer) if stop_tokens is None else stop_tokens)
 
     def generate(self, tokens: list[int], num_samples: int = 1, max_tokens: int | None = None,
                  temperature: float = 1.0, top_k: int | None = None, seed: int = 42

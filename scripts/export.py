@@ -11,6 +11,12 @@ base_checkpoints/<tag>/model_<step:06d>.pt + meta_<step:06d>.json, and tokenizer
 token_bytes.pt (kept if the same tokenizer is there already; another one is refused). Needs PyTorch:
 pip install -e '.[nanochat]'.
 
+Hand it to Hugging Face (transformers, lm-evaluation-harness, the Hub): a directory that
+AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True) and AutoTokenizer.from_pretrained(DIR)
+load, checked against jaxchat's logits before it is written (jaxchat.hf_export). Needs pip install -e '.[hf]':
+
+    python -m scripts.export --to-hf DIR [--model-tag d20] [--step 21400] [--overwrite] [--push-to-hub USER/REPO]
+
 The weights alone, without PyTorch (safetensors, nanochat's names and layout, float32):
 
     python -m scripts.export [--output DIR]            # DIR: <base_dir>/nanochat_export/<tag>
@@ -152,10 +158,27 @@ def import_weights(weights_path: str, meta_path: str | None = None, tokenizer_pa
     return directory
 
 
+def export_hf(directory: str, model_tag: str | None, step: int | None, overwrite: bool, repo: str | None) -> None:
+    from jaxchat.hf_export import CHECK_TOLERANCE, export_to_hf, push_to_hub
+
+    written, difference = export_to_hf(directory, model_tag, step, overwrite=overwrite)
+    for path in written:
+        print(f"Wrote {path}")
+    print(f"Checked: transformers' logits equal jaxchat's within {difference:.2g} (bound {CHECK_TOLERANCE}), the same token ids")
+    print(f"Load it: AutoModelForCausalLM.from_pretrained({directory!r}, trust_remote_code=True)")
+    if repo:
+        print(f"Uploaded to {push_to_hub(directory, repo)}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Hand a jaxchat checkpoint to nanochat, or import nanochat weights")
     parser.add_argument("--to-nanochat", type=str, default=None, metavar="NANOCHAT_BASE_DIR",
                         help="write the model and tokenizer into this nanochat base directory (e.g. ~/.cache/nanochat)")
+    parser.add_argument("--to-hf", type=str, default=None, metavar="DIR",
+                        help="write a Hugging Face transformers directory (config, safetensors, modeling code, tokenizer)")
+    parser.add_argument("--overwrite", action="store_true", help="with --to-hf: replace an export already in DIR")
+    parser.add_argument("--push-to-hub", type=str, default=None, metavar="REPO",
+                        help="with --to-hf: then upload DIR to this Hugging Face Hub model repository (huggingface-cli login first)")
     parser.add_argument("--model-tag", type=str, default=None, help="checkpoint directory name (default: the deepest d<N>)")
     parser.add_argument("--step", type=int, default=None, help="step to export (default: the newest complete one); "
                         "with --import: the step to file it under (default: the meta's)")
@@ -168,18 +191,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokenizer", type=str, default=None, help="with --import: nanochat's tokenizer.pkl "
                         "(default: <nanochat base dir>/tokenizer/tokenizer.pkl when the weights lie in its base_checkpoints)")
     args = parser.parse_args(argv)
-    modes = [flag for flag, value in (("--to-nanochat", args.to_nanochat), ("--output", args.output),
-                                      ("--import", args.import_file)) if value]
+    modes = [flag for flag, value in (("--to-nanochat", args.to_nanochat), ("--to-hf", args.to_hf),
+                                      ("--output", args.output), ("--import", args.import_file)) if value]
     if len(modes) > 1:
         parser.error(f"{' and '.join(modes)} do not go together: export one way or import")
     if (args.meta or args.tokenizer) and not args.import_file:
         parser.error("--meta and --tokenizer are for --import")
+    if (args.overwrite or args.push_to_hub) and not args.to_hf:
+        parser.error("--overwrite and --push-to-hub are for --to-hf")
 
     quiet_jax_warnings()
     try:
         if args.import_file:
             directory = import_weights(args.import_file, args.meta, args.tokenizer, args.model_tag, args.step)
             print(f"Imported {args.import_file} into {directory}")
+        elif args.to_hf:
+            export_hf(args.to_hf, args.model_tag, args.step, args.overwrite, args.push_to_hub)
         elif args.to_nanochat:
             for path in export_to_nanochat(args.to_nanochat, args.model_tag, args.step):
                 print(f"Wrote {path}")
