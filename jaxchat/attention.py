@@ -1,9 +1,11 @@
 """Causal sliding-window attention.
 
 Query i sees key j iff 0 <= i - j <= window (FlashAttention's window_size=(window, 0)).
-Two implementations behind one switch:
-- 'cudnn': cuDNN flash attention on GPU, in bfloat16. The window is passed to the kernel, so a
+Three implementations behind one switch:
+- 'cudnn': cuDNN flash attention on NVIDIA GPUs, in bfloat16. The window is passed to the kernel, so a
   short window skips the masked blocks and saves compute, not just masks them.
+- 'splash': Pallas' splash attention on TPU, the same skipping by a block-sparse mask (jaxchat.splash_attention);
+  interpreted elsewhere (tests).
 - 'xla': plain XLA with an exact boolean mask, in blocks of query rows that skip the keys causality and
   the window hide (blocked_attention); runs anywhere (the CPU default).
 Decoding with a KV cache always uses the XLA path with an explicit mask: queries sit at an offset
@@ -13,13 +15,20 @@ into the cache, which the kernels' aligned causal mask cannot express.
 import jax
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ("xla", "cudnn")
+IMPLEMENTATIONS = ("xla", "cudnn", "splash")
 
 
-def default_implementation(platform: str | None = None) -> str:
-    """cuDNN flash attention on NVIDIA GPUs, XLA elsewhere."""
-    platform = platform or jax.default_backend()
-    return "cudnn" if platform in ("gpu", "cuda") else "xla"
+def default_implementation(platform: str | None = None, platform_version: str | None = None) -> str:
+    """Splash attention on TPUs, cuDNN flash attention on NVIDIA GPUs, XLA elsewhere: a ROCm GPU's backend
+    is 'gpu' too, and its platform version (e.g. 'rocm 60200') tells it apart."""
+    if platform is None:
+        platform = jax.default_backend()
+        platform_version = jax.devices()[0].client.platform_version
+    if platform == "tpu":
+        return "splash"
+    if platform in ("gpu", "cuda") and "rocm" not in (platform_version or "").lower():
+        return "cudnn"
+    return "xla"
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int, implementation: str = "xla") -> jax.Array:
@@ -32,6 +41,10 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int, impl
     T = q.shape[1]
     if implementation == "xla":
         return blocked_attention(q, k, v, window)
+    if implementation == "splash":
+        from jaxchat.splash_attention import splash_attention
+
+        return splash_attention(q, k, v, window)
     local_window = None if window >= T - 1 else (window, 0)
     return jax.nn.dot_product_attention(
         q, k, v, is_causal=True, local_window_size=local_window, implementation=implementation

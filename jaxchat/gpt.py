@@ -17,7 +17,7 @@ CPU (where bf16 is emulated and slower). Flax kernels are (in, out): PyTorch's w
 
 Activation checkpointing (`remat`) chooses what each block keeps for the backward pass:
   none   everything autodiff saves (fastest, most memory)
-  dots   the outputs of the matmuls and of cuDNN attention's forward (its output and softmax
+  dots   the outputs of the matmuls and of cuDNN's or splash attention's forward (its output and softmax
          statistics, what its backward reads); norms, rotary and ReLU^2 are recomputed, and so is
          attention on the XLA path (its scores are a batched matmul: T x T per head, too large to keep)
   block  only the block's input; the whole block is recomputed
@@ -34,6 +34,7 @@ from flax import nnx
 from jaxchat import fp8
 from jaxchat.attention import cached_attention, causal_attention, default_implementation
 from jaxchat.common import compute_dtype
+from jaxchat.splash_attention import splash_forward_saveable
 from jaxchat.loss import DEFAULT_CHUNK_LEN, loss_sum_over, softcap_logits, token_losses, token_scores
 
 VOCAB_PAD_MULTIPLE = 64
@@ -63,7 +64,8 @@ REMAT_POLICIES = {
     "none": None,
     "dots": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.save_from_both_policies(_matmul_outputs_saveable, _cudnn_attention_saveable),
-        jax.checkpoint_policies.save_only_these_names(fp8.OUTPUT_NAME)),
+        jax.checkpoint_policies.save_from_both_policies(jax.checkpoint_policies.save_only_these_names(fp8.OUTPUT_NAME),
+                                                        splash_forward_saveable)),
     "block": jax.checkpoint_policies.nothing_saveable,
 }
 
@@ -399,7 +401,7 @@ class GPT(nnx.Module):
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs, dtype=None, attention_implementation: str | None = None,
                  remat: str = "none", loss_chunk_len: int = DEFAULT_CHUNK_LEN, fp8: bool = False):
         """dtype: compute dtype of the matmuls (default: bf16 on accelerators, f32 on CPU).
-        attention_implementation: 'cudnn' or 'xla' (default: cudnn on NVIDIA GPUs, else xla).
+        attention_implementation: 'cudnn', 'splash' or 'xla' (default: jaxchat.attention.default_implementation).
         remat: what each block keeps for the backward pass, a key of REMAT_POLICIES.
         loss_chunk_len: positions per chunk of the loss head (jaxchat.loss).
         fp8: train the linear layers that pass nanochat's filter in fp8 (use_fp8)."""

@@ -161,8 +161,8 @@ class RunSettings:
                                    "<base_dir>/base_data_climbmix)", "JAX", nanochat=False)
     seed: int = setting(42, "seed of the model initialisation", "JAX", nanochat=False)
     keep_checkpoints: int = setting(-1, "keep only the newest N checkpoints (-1 = all)", "JAX", nanochat=False, off="all")
-    attention: str = setting("auto", "attention kernel (auto: cudnn on NVIDIA GPUs, xla elsewhere)", "JAX",
-                             nanochat=False, choices=("auto", "cudnn", "xla"))
+    attention: str = setting("auto", "attention kernel (auto: splash on TPUs, cudnn on NVIDIA GPUs, "
+                             "xla elsewhere)", "JAX", nanochat=False, choices=("auto", "cudnn", "splash", "xla"))
     heartbeat_timeout: int = setting(HEARTBEAT_TIMEOUT_S, "seconds without a heartbeat after which the coordination "
                                      "service declares a process of a multi-process run lost and ends the others",
                                      "JAX", nanochat=False, positive=True)

@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
     train.add_argument("--window-pattern", nargs="+", default=["SSSL"], help="one row per pattern (e.g. SSSL L)")
     train.add_argument("--num-devices", type=int, default=-1)
     train.add_argument("--fsdp", action="store_true")
-    train.add_argument("--attention", choices=["cudnn", "xla"], default=None)
+    train.add_argument("--attention", choices=["cudnn", "splash", "xla"], default=None)
     train.add_argument("--steps", type=int, default=10, help="timed steps after one warm-up step")
     train.add_argument("--remat", nargs="+", choices=["auto", *REMAT_POLICIES], default=[DEFAULTS.remat],
                        help="one row per policy (default: scripts.train's)")
