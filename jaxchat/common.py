@@ -133,6 +133,7 @@ PEAK_FLOPS_BF16 = [
     ("TPU v5p", 459e12),
     ("TPU v5 lite", 197e12),
     ("TPU v5e", 197e12),
+    ("TPU v5", 459e12),  # v5p's device_kind is "TPU v5" (v5e's "TPU v5 lite", matched above)
     ("TPU v4", 275e12),
 ]
 

@@ -1,5 +1,10 @@
 """The train step compiled without running it: abstract arguments, cuDNN attention traced without
-cuDNN, and the real step compiled for an H100 where there is no GPU.
+cuDNN, and the real step compiled for an H100 or a TPU slice where there is neither.
+
+TPU targets (the `tpu` extra: libtpu): `get_topology_desc(platform="tpu", topology_name="v6e:2x4")` gives
+the chips of that slice, every host's, as compile-only devices; the step is compiled by XLA:TPU with splash
+attention's Mosaic kernels (jaxchat.splash_attention.compiling_for_tpu). A target is 'h100' or
+'<chip>:<topology>', the chip one of TPU_HBM_BYTES.
 
 JAX compiles for a GPU target without a GPU (JAX's compile-only runtime, needs the `cuda12` extra):
 `jax.experimental.topologies.get_topology_desc(platform="cuda", target_config=<GpuTargetConfig text>,
@@ -29,6 +34,42 @@ TARGETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets"
 H100 = "h100_sxm_80gb"  # jaxchat/targets/<name>.textproto
 ASSUMED_CUDNN_VERSION = 91000  # cuDNN 9.10: past every version check of the attention gate
 ASSUMED_COMPUTE_CAPABILITY = (9, 0)  # H100
+
+
+GIB = 2**30
+GPU_TARGETS = {"h100": H100}  # the command line's names of the GPU targets in jaxchat/targets
+# The HBM that XLA:TPU gives a program on one device of each chip, as its own out-of-memory error states it
+# ("exceeds available HBM (15.75G)", libtpu of JAX 0.10.2, compiled here for each topology): v5e's 16 GiB,
+# v6e's 32, v5p's 95 less what the runtime keeps; v4's 32 GiB are two TensorCores' 16 each, one device each
+TPU_HBM_BYTES = {"v4": int(15.25 * GIB), "v5e": int(15.75 * GIB), "v5p": int(95.74 * GIB), "v6e": int(31.25 * GIB)}
+
+
+def is_tpu_target(target: str) -> bool:
+    return target.split(":")[0] in TPU_HBM_BYTES
+
+
+def check_target(target: str) -> None:
+    """ValueError with the targets there are, unless target is 'h100' or '<chip>:<topology>' of a known chip."""
+    chip, _, topology = target.partition(":")
+    if target in GPU_TARGETS or target == H100 or (chip in TPU_HBM_BYTES and topology):
+        return
+    raise ValueError(f"unknown target {target!r}: use h100, or a TPU chip and topology such as v6e:2x4, v5e:4x8, "
+                     f"v5p:2x2x1, v4:2x2x1 (chips: {', '.join(TPU_HBM_BYTES)})")
+
+
+def tpu_devices(target: str) -> list:
+    """The compile-only chips of a TPU slice (every host's). Raises CompileOnlyError without libtpu."""
+    try:
+        import libtpu  # noqa: F401
+    except ImportError as e:
+        raise CompileOnlyError("compiling for a TPU target needs libtpu: pip install -e '.[tpu]' (no TPU needed), "
+                               "then run with JAX_PLATFORMS=cpu") from e
+    from jax.experimental import topologies
+
+    # libtpu takes a lock file for the TPU it would drive; compiling uses no TPU, so two compilations (two
+    # recipes side by side, a test beside another) need not wait for each other
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    return list(topologies.get_topology_desc(platform="tpu", topology_name=target).devices)
 
 
 class CompileOnlyError(RuntimeError):
@@ -142,27 +183,47 @@ def for_gpu(settings: RunSettings) -> RunSettings:
                                compute_dtype=settings.compute_dtype or "bfloat16")
 
 
-def compile_for_target(settings: RunSettings, vocab_size: int, num_devices: int, *, target: str = H100,
+def for_tpu(settings: RunSettings) -> RunSettings:
+    """The settings as a TPU run resolves them: 'auto' attention is splash, the compute dtype bf16."""
+    return dataclasses.replace(settings, attention="splash" if settings.attention == "auto" else settings.attention,
+                               compute_dtype=settings.compute_dtype or "bfloat16")
+
+
+def compile_setup(target: str, num_devices: int | None):
+    """(settings rule, devices, memory the program may use, tracing context, XLA options) of a target.
+    num_devices: the H100s; a TPU target's topology sets its chips."""
+    if is_tpu_target(target):
+        from jaxchat.splash_attention import compiling_for_tpu
+
+        return for_tpu, tpu_devices(target), TPU_HBM_BYTES[target.split(":")[0]], compiling_for_tpu(), {}
+    return (for_gpu, target_devices(num_devices, target), target_pool_bytes(target), cudnn_without_gpu(),
+            gpu_compiler_options())
+
+
+def compile_for_target(settings: RunSettings, vocab_size: int, num_devices: int | None, *, target: str = H100,
                        compiler_options: dict | None = None) -> dict:
     """The real train step of these settings (one micro-step, device_batch_size rows per device)
-    compiled for num_devices devices of the target, with a GPU run's XLA options (jaxchat.runtime)
-    updated by compiler_options (e.g. xla_dump_to). Returns its figures (GiB per device):
+    compiled for num_devices devices of the target (an H100) or for the chips of a TPU topology
+    ('v6e:2x4'), with a GPU run's XLA options (jaxchat.runtime) on a GPU, updated by compiler_options
+    (e.g. xla_dump_to). 'pool_gib' is what the program may use: XLA's pool of a GPU run, a TPU chip's HBM.
+    Returns its figures (GiB per device):
     memory       XLA's memory analysis: arguments, outputs, what they alias, temporaries, and the peak
                  (arguments + outputs - aliased + temporaries); the state's share of the arguments
     kernels      the custom-call census (jaxchat.hlo.custom_call_census)
     collectives  per kind, the bytes each device moves, against ZeRO-1's minimum
     times        tracing and lowering, then XLA's compilation, in seconds
     and 'hlo', the optimised module's text."""
-    settings = for_gpu(settings)
-    mesh = make_mesh(devices=target_devices(num_devices, target))
+    target = GPU_TARGETS.get(target, target)
+    resolve, devices, pool, tracing, options = compile_setup(target, num_devices)
+    settings, num_devices = resolve(settings), len(devices)
+    mesh = make_mesh(devices=devices)
     start = time.perf_counter()
-    with cudnn_without_gpu():
-        run, step, args = abstract_step(settings, vocab_size, mesh,
-                                        memory_budget=(target_pool_bytes(target), f"{target}'s pool"))
+    with tracing:
+        run, step, args = abstract_step(settings, vocab_size, mesh, memory_budget=(pool, f"{target}'s memory"))
         lowered = step.trace(*args).lower()
     lower_s = time.perf_counter() - start
     start = time.perf_counter()
-    compiled = lowered.compile(compiler_options={**gpu_compiler_options(), **(compiler_options or {})})
+    compiled = lowered.compile(compiler_options={**options, **(compiler_options or {})})
     compile_s = time.perf_counter() - start
     analysis = compiled.memory_analysis()
     gib = 2**30
@@ -177,9 +238,9 @@ def compile_for_target(settings: RunSettings, vocab_size: int, num_devices: int,
     hlo = compiled.as_text()
     found = hlo_collectives(hlo, num_devices)
     result = {"config": f"d{settings.depth} T{settings.max_seq_len} B{settings.device_batch_size} V{vocab_size} "
-                        f"{settings.window_pattern} remat={settings.remat} x{num_devices} {target}",
+                        f"{settings.window_pattern} remat={run.settings.remat} x{num_devices} {target}",
               "devices": num_devices, "target": target, "memory_gib": memory,
-              "pool_gib": target_pool_bytes(target) / gib, "peak_share_of_pool": peak / target_pool_bytes(target),
+              "pool_gib": pool / gib, "peak_share_of_pool": peak / pool,
               "kernels": custom_call_census(hlo), "collectives": collective_summary(found),
               "lower_s": lower_s, "compile_s": compile_s, "hlo": hlo}
     if num_devices > 1:

@@ -175,12 +175,14 @@ def collective_summary(found: list[dict]) -> list[dict]:
 
 
 def custom_call_census(text: str) -> dict:
-    """The custom calls of an optimised XLA:GPU module that say which kernels a step runs:
+    """The custom calls of an optimised XLA:GPU or XLA:TPU module that say which kernels a step runs:
     attention   cuDNN fused attention calls, forward and backward, by sliding window (0: none, the
                 whole causal context); XLA's window counts the diagonal (a window of 1024 is 1025)
     gemm        GEMMs by library: cublaslt, cublas, cublaslt_fp8 (custom calls), triton (GEMM fusions)
+    splash      XLA:TPU's splash attention kernels (Mosaic custom calls) by kernel: forward, dq, dkv
     other       any other custom-call target, by count"""
     attention = collections.Counter()
+    splash = collections.Counter()
     gemm = collections.Counter()
     other = collections.Counter()
     for line in text.splitlines():
@@ -192,9 +194,11 @@ def custom_call_census(text: str) -> dict:
                 attention[(direction, int(window.group(1)) if window else 0)] += 1
             elif target in GEMM_TARGETS:
                 gemm[GEMM_TARGETS[target]] += 1
+            elif target == "tpu_custom_call" and (kernel := re.search(r"%(splash_\w+?)(?:\.\d+)?\s*=", line)):
+                splash[kernel.group(1)] += 1
             else:
                 other[target] += 1
         elif " fusion(" in line and (m := TRITON_GEMM_KIND.search(line)):
             gemm["triton"] += 1
     return {"attention": [{"direction": d, "window": w, "count": c} for (d, w), c in sorted(attention.items())],
-            "gemm": dict(sorted(gemm.items())), "other": dict(sorted(other.items()))}
+            "gemm": dict(sorted(gemm.items())), "splash": dict(sorted(splash.items())), "other": dict(sorted(other.items()))}

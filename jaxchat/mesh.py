@@ -42,9 +42,10 @@ HEARTBEAT_TIMEOUT_S = 20
 def maybe_initialize_distributed(heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S) -> bool:
     """Start jax.distributed when the environment describes several processes.
 
-    SLURM (srun with more than one task) is detected by JAX itself; elsewhere set
-    JAX_COORDINATOR_ADDRESS=host:port, JAX_NUM_PROCESSES and JAX_PROCESS_ID on every process.
-    Must run before anything touches a JAX device. Returns whether it initialised.
+    SLURM (srun with more than one task) and a Cloud TPU slice of several hosts (tpu_slice_hosts) are
+    detected by JAX itself; elsewhere set JAX_COORDINATOR_ADDRESS=host:port, JAX_NUM_PROCESSES and
+    JAX_PROCESS_ID on every process. Must run before anything touches a JAX device. Returns whether it
+    initialised.
     """
     if os.environ.get("JAX_COORDINATOR_ADDRESS"):
         jax.distributed.initialize(
@@ -54,10 +55,43 @@ def maybe_initialize_distributed(heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S)
             heartbeat_timeout_seconds=heartbeat_timeout_s,
         )
         return True
-    if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in os.environ:
+    if (int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in os.environ) or tpu_slice_hosts() > 1:
         jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout_s)
         return True
     return False
+
+
+GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips on a Cloud TPU VM's PCI bus (how JAX's own hardware_utils finds them)
+METADATA_HOST = "metadata.google.internal"  # GCE's metadata server; GCE_METADATA_IP overrides it, as in JAX
+
+
+def tpu_slice_hosts(environ: Mapping[str, str] = os.environ, pci_devices: str = "/sys/bus/pci/devices",
+                    timeout_s: float = 5.0) -> int:
+    """How many hosts the Cloud TPU slice of this machine has: 1 off a TPU VM (no TPU chip on the PCI bus).
+    On one, the workers' list: TPU_WORKER_HOSTNAMES where set (GKE), else the metadata server's
+    worker-network-endpoints (a TPU VM made with gcloud), comma-separated both."""
+    try:
+        vendors = [open(os.path.join(pci_devices, d, "vendor")).read().strip() for d in os.listdir(pci_devices)]
+    except OSError:
+        return 1
+    if GOOGLE_PCI_VENDOR not in vendors:
+        return 1
+    workers = environ.get("TPU_WORKER_HOSTNAMES") or _metadata("worker-network-endpoints", environ, timeout_s)
+    return max(1, len([w for w in (workers or "").split(",") if w.strip()]))
+
+
+def _metadata(key: str, environ: Mapping[str, str], timeout_s: float) -> str | None:
+    """An attribute of this GCE instance from its metadata server (None if there is no answer)."""
+    import urllib.request
+
+    host = environ.get("GCE_METADATA_IP", METADATA_HOST)
+    request = urllib.request.Request(f"http://{host}/computeMetadata/v1/instance/attributes/{key}",
+                                     headers={"Metadata-Flavor": "Google"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.read().decode()
+    except OSError:
+        return None
 
 
 def make_mesh(num_devices: int | None = None, devices: list | None = None) -> Mesh:

@@ -12,6 +12,7 @@ jax.checkpoint the policy sees its names, yet the forward ran again, JAX 0.10.2.
 Off a TPU it runs in Pallas' interpret mode (slow, exact: how the tests check it on the CPU).
 """
 
+import contextlib
 import functools
 
 import jax
@@ -62,14 +63,31 @@ def _kernel(T: int, window: int, group: int, interpret: bool):
                                       q_seq_shards=1, interpret=interpret)
 
 
+_compiling_for_tpu = False  # set by compiling_for_tpu(): traced here, the program is for a TPU target
+
+
+@contextlib.contextmanager
+def compiling_for_tpu():
+    """Trace splash attention's TPU kernel (not the interpreted one) on a machine without a TPU, inside this
+    block: for programs compiled for a TPU target here (jaxchat.compile_only). Nothing runs inside it.
+    (jax.lax.platform_dependent would choose at lowering, but a remat policy cannot see into its branches.)"""
+    global _compiling_for_tpu
+    saved, _compiling_for_tpu = _compiling_for_tpu, True
+    try:
+        yield
+    finally:
+        _compiling_for_tpu = saved
+
+
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int, interpret: bool | None = None) -> jax.Array:
     """q: (B, T, H, D); k, v: (B, T, Hkv, D). Returns (B, T, H, D), scale 1/sqrt(D) (applied to q in float32,
-    rounded once to q's dtype). interpret: None runs the kernel compiled on a TPU, interpreted elsewhere."""
+    rounded once to q's dtype). interpret: None runs the kernel compiled on a TPU (or inside compiling_for_tpu),
+    interpreted elsewhere."""
     B, T, H, D = q.shape
     Hkv = k.shape[2]
     group = H // Hkv
     if interpret is None:
-        interpret = jax.default_backend() != "tpu"
+        interpret = not (_compiling_for_tpu or jax.default_backend() == "tpu")
     kernel = _kernel(T, window, group, interpret)
     q = (q.astype(jnp.float32) * D ** -0.5).astype(q.dtype)
     # (B, Hkv, group, T, D): query head h = kv * group + g reads key/value head kv (as jax.nn.dot_product_attention)

@@ -11,6 +11,10 @@ time; exit 1 if the step does not compile or its peak is above XLA's pool:
 
     python -m scripts.gpu_check --compile-only [--devices 1 8] [--depth 20 --device-batch-size 32 ...]
 
+and the same for a TPU slice (the `tpu` extra: libtpu; splash attention's kernels, peak against the chip's HBM):
+
+    python -m scripts.gpu_check --compile-only --target v6e:2x4 [--depth 20 --device-batch-size 16 ...]
+
 Every flag of scripts.train (jaxchat.settings) is a flag of --compile-only (--remat, --window-pattern, ...).
 
 Each measurement runs in a process of its own, in this order (the first answers whether d20 fits):
@@ -375,17 +379,21 @@ COLLECTIVE_COLUMNS = [("devices", "{:d}"), ("kind", "{}"), ("count", "{:d}"), ("
 
 def print_compile_reports(reports: list[dict]) -> None:
     from jaxchat.common import format_table
+    from jaxchat.compile_only import is_tpu_target
 
-    print(f"{reports[0]['config'].rsplit(' x', 1)[0]} | GiB per device; of_pool: the peak against XLA's pool of "
-          f"{reports[0]['pool_gib']:.1f} GiB (the memory fraction of jaxchat.runtime)")
+    pool = ("a TPU chip's HBM" if is_tpu_target(reports[0]["target"])
+            else "XLA's pool (the memory fraction of jaxchat.runtime)")
+    print(f"{reports[0]['config'].rsplit(' x', 1)[0]} | GiB per device; of_pool: the peak against {pool}, "
+          f"{reports[0]['pool_gib']:.1f} GiB")
     print(format_table([{"devices": r["devices"], **r["memory_gib"], "of_pool": r["peak_share_of_pool"],
                          "lower_s": r["lower_s"], "compile_s": r["compile_s"]} for r in reports], MEMORY_COLUMNS))
-    print("\ncuDNN attention calls (window: XLA's sliding_window_length, 0 for the whole causal context):")
-    print(format_table([{"devices": r["devices"], **row} for r in reports for row in r["kernels"]["attention"]],
-                       ATTENTION_COLUMNS))
+    if any(r["kernels"]["attention"] for r in reports):
+        print("\ncuDNN attention calls (window: XLA's sliding_window_length, 0 for the whole causal context):")
+        print(format_table([{"devices": r["devices"], **row} for r in reports for row in r["kernels"]["attention"]],
+                           ATTENTION_COLUMNS))
     for r in reports:
-        print(f"GEMMs on {r['devices']} device(s): {r['kernels']['gemm'] or 'none'}; other custom calls: "
-              f"{r['kernels']['other'] or 'none'}")
+        print(f"on {r['devices']} device(s): GEMMs {r['kernels']['gemm'] or 'none'}; splash attention kernels "
+              f"{r['kernels']['splash'] or 'none'}; other custom calls {r['kernels']['other'] or 'none'}")
     print("\ncollectives of one step (ring convention, bytes moved per device):")
     print(format_table([{"devices": r["devices"], **row} for r in reports for row in r["collectives"]],
                        COLLECTIVE_COLUMNS))
@@ -399,7 +407,7 @@ def run_compile_only(args) -> int:
     """The step of the given settings compiled for each --devices count of H100s; exit 1 if one does not
     compile or its peak is above XLA's pool, 2 if it cannot be tried here."""
     from jaxchat.common import quiet_jax_warnings
-    from jaxchat.compile_only import CompileOnlyError, compile_for_target
+    from jaxchat.compile_only import CompileOnlyError, check_target, compile_for_target, is_tpu_target
     import jax
 
     from jaxchat.settings import SettingsError, settings_from_flags
@@ -412,21 +420,27 @@ def run_compile_only(args) -> int:
     except SettingsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        check_target(args.target)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     reports, failed = [], []
-    for devices in args.devices:
+    # a TPU target's topology is its chips: one report
+    for devices in [None] if is_tpu_target(args.target) else args.devices:
         try:
-            report = compile_for_target(settings, args.vocab_size, devices)
+            report = compile_for_target(settings, args.vocab_size, devices, target=args.target)
         except (CompileOnlyError, SettingsError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         except Exception as e:  # noqa: BLE001 -- a step that does not compile is the finding: report it, go on
-            failed.append({"devices": devices, "error": f"{type(e).__name__}: {e}"[:3000]})
-            print(f"error: the step on {devices} device(s) did not compile: {type(e).__name__}: {str(e)[:500]}",
-                  file=sys.stderr)
+            failed.append({"devices": devices, "target": args.target, "error": f"{type(e).__name__}: {e}"[:3000]})
+            where = args.target if devices is None else f"{devices} device(s)"
+            print(f"error: the step on {where} did not compile: {type(e).__name__}: {str(e)[:500]}", file=sys.stderr)
             continue
         hlo = report.pop("hlo")
         if args.json:
-            report["hlo_file"] = f"{os.path.splitext(args.json)[0]}.x{devices}.hlo.txt.gz"
+            report["hlo_file"] = f"{os.path.splitext(args.json)[0]}.x{report['devices']}.hlo.txt.gz"
             with gzip.open(report["hlo_file"], "wt") as f:
                 f.write(hlo)
         reports.append(report)
@@ -434,12 +448,13 @@ def run_compile_only(args) -> int:
         print_compile_reports(reports)
     over = [r for r in reports if r["peak_share_of_pool"] > 1]
     for r in over:
-        print(f"error: {r['config']}: peak {r['memory_gib']['peak']:.1f} GiB per device is above XLA's pool of "
-              f"{r['pool_gib']:.1f} GiB: lower --device-batch-size or use --remat block", file=sys.stderr)
+        print(f"error: {r['config']}: peak {r['memory_gib']['peak']:.1f} GiB per device is above the "
+              f"{r['pool_gib']:.1f} GiB it may use: lower --device-batch-size or use --remat block", file=sys.stderr)
     if args.json:
         write_report(args.json, {"started": datetime.datetime.now().isoformat(timespec="seconds"),
                                  "mode": "compile-only", "settings": dataclasses.asdict(settings),
-                                 "vocab_size": args.vocab_size, "reports": reports, "failed": failed})
+                                 "target": args.target, "vocab_size": args.vocab_size, "reports": reports,
+                                 "failed": failed})
     return 1 if failed or over else 0
 
 
@@ -455,6 +470,8 @@ def main(argv: list[str] | None = None) -> None:
                         "and collectives; exit 1 if it does not compile or does not fit")
     parser.add_argument("--devices", type=int, nargs="+", default=[1, ZERO1_DEVICES],
                         help="with --compile-only: H100 counts to compile for, one report each")
+    parser.add_argument("--target", default="h100", help="with --compile-only: h100, or a TPU chip and topology "
+                        "(v4, v5e, v5p, v6e: e.g. v6e:2x4, v5e:4x8, v5p:2x2x1), whose chips the step is compiled for")
     parser.add_argument("--vocab-size", type=int, default=SPEEDRUN_VOCAB_SIZE, help="with --compile-only")
     parser.add_argument("--steps", type=int, default=10, help="timed train steps per configuration")
     parser.add_argument("--allow-cpu", action="store_true", help="no GPU: run the d2 versions on the CPU")

@@ -79,21 +79,40 @@ def make_base_dir(builtin_docs):
     return make
 
 
-# .ci/run runs the `cuda_plugin` tests again once the cuda12 extra is installed, with this set to 1: there a
-# missing plugin fails them instead of skipping, so the compiled-GPU claims they check cannot go unchecked
+# .ci/run runs the `cuda_plugin` and `tpu_plugin` tests again once the cuda12 / tpu extra is installed, with
+# these set to 1: there a missing plugin fails them instead of skipping, so the compiled-accelerator claims
+# they check cannot go unchecked
 REQUIRE_CUDA_PLUGIN_ENV = "JAXCHAT_REQUIRE_CUDA_PLUGIN"
+REQUIRE_TPU_PLUGIN_ENV = "JAXCHAT_REQUIRE_TPU_PLUGIN"
+
+
+def _libtpu_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("libtpu") is not None
+
+
+def _cuda_plugin_installed() -> bool:
+    from jaxchat.runtime import cuda_plugin_installed
+
+    return cuda_plugin_installed()
+
+
+PLUGIN_MARKERS = {  # marker: (is it installed, what to say, the variable that makes a missing one fail)
+    "cuda_plugin": (_cuda_plugin_installed, "needs JAX's CUDA plugin to compile for an H100 target: "
+                    "pip install -e '.[cuda12]'", REQUIRE_CUDA_PLUGIN_ENV),
+    "tpu_plugin": (_libtpu_installed, "needs libtpu to compile for a TPU target: pip install -e '.[tpu]'",
+                   REQUIRE_TPU_PLUGIN_ENV),
+}
 
 
 def pytest_runtest_setup(item):
-    """A test marked cuda_plugin compiles for an H100 target: skipped without JAX's CUDA plugin."""
-    if item.get_closest_marker("cuda_plugin") is None:
-        return
-    from jaxchat.runtime import cuda_plugin_installed
-
-    if not cuda_plugin_installed():
-        message = "needs JAX's CUDA plugin to compile for an H100 target: pip install -e '.[cuda12]'"
-        if os.environ.get(REQUIRE_CUDA_PLUGIN_ENV) == "1":
-            pytest.fail(f"{message} (${REQUIRE_CUDA_PLUGIN_ENV}=1 asks for these tests to run)")
+    """A test marked cuda_plugin (tpu_plugin) compiles for an H100 (a TPU) target: skipped without the plugin."""
+    for marker, (installed, message, require_env) in PLUGIN_MARKERS.items():
+        if item.get_closest_marker(marker) is None or installed():
+            continue
+        if os.environ.get(require_env) == "1":
+            pytest.fail(f"{message} (${require_env}=1 asks for these tests to run)")
         pytest.skip(message)
 
 

@@ -1,10 +1,15 @@
 """What decides a run's exit status when a process may be lost: the error's type and where it was raised,
-never its message. (Two real processes: test_train_script.py's pairs and test_checkpoint.py's decisions.)"""
+never its message; and when a run starts jax.distributed. (Two real processes: test_train_script.py's pairs and test_checkpoint.py's decisions.)"""
+
+import http.server
+import os
+import threading
 
 import jax
 import jax.numpy as jnp
 import pytest
 
+from jaxchat import mesh
 from jaxchat.checkpoint_meta import SaveFailedError
 from jaxchat.multihost import decided_by_process_0, gathered, runtime_failure
 
@@ -41,3 +46,53 @@ def test_one_process_decides_and_gathers_alone():
     assert gathered("y", {"ok": True}) == [{"ok": True}]
     with pytest.raises(KeyError):
         decided_by_process_0("z", lambda: {}["missing"])
+
+
+def fake_pci_bus(root, vendors: list[str]) -> str:
+    for i, vendor in enumerate(vendors):
+        os.makedirs(root / f"0000:00:0{i}.0")
+        (root / f"0000:00:0{i}.0" / "vendor").write_text(vendor + "\n")
+    return str(root)
+
+
+def test_a_cloud_tpu_slice_of_several_hosts_starts_jax_distributed(tmp_path, monkeypatch):
+    """On a TPU VM (Google's PCI vendor on the bus) the workers come from the metadata server, asked as JAX asks
+    it (a local server here, GCE_METADATA_IP); several hosts start jax.distributed with no variable of ours or
+    SLURM's set, and one host, or a machine without TPU chips, does not."""
+    asked = []
+
+    class Metadata(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            asked.append((self.path, self.headers.get("Metadata-Flavor")))
+            body = b"t1k-w-0,t1k-w-1,t1k-w-2,t1k-w-3"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metadata)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        environ = {"GCE_METADATA_IP": f"127.0.0.1:{server.server_port}"}
+        tpu_vm = fake_pci_bus(tmp_path / "tpu", ["0x8086", mesh.GOOGLE_PCI_VENDOR])
+        assert mesh.tpu_slice_hosts(environ, tpu_vm) == 4
+        assert asked == [("/computeMetadata/v1/instance/attributes/worker-network-endpoints", "Google")]
+        assert mesh.tpu_slice_hosts({**environ, "TPU_WORKER_HOSTNAMES": "10.0.0.2"}, tpu_vm) == 1  # GKE's variable
+        assert mesh.tpu_slice_hosts(environ, fake_pci_bus(tmp_path / "gpu", ["0x10de"])) == 1  # no TPU: not asked
+        assert mesh.tpu_slice_hosts(environ, str(tmp_path / "no_pci_bus")) == 1
+        assert len(asked) == 1
+    finally:
+        server.shutdown()
+
+    started = []
+    monkeypatch.setattr(mesh.jax.distributed, "initialize", lambda **kwargs: started.append(kwargs))
+    for name in ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for hosts, expected in ((4, [{"heartbeat_timeout_seconds": 20}]), (1, [])):
+        started.clear()
+        monkeypatch.setattr(mesh, "tpu_slice_hosts", lambda hosts=hosts: hosts)
+        assert mesh.maybe_initialize_distributed(heartbeat_timeout_s=20) == bool(expected)
+        assert started == expected

@@ -1,0 +1,59 @@
+"""The train step compiled for TPU slices on this CPU (jaxchat.compile_only, the `tpu` extra's libtpu): XLA:TPU's
+whole pipeline with splash attention's Mosaic kernels, the memory per chip and the collectives. Marked
+tpu_plugin: skipped without libtpu; .ci/run runs them once it has installed the tpu extra."""
+
+import importlib.util
+
+import pytest
+
+from jaxchat.compile_only import CompileOnlyError, TPU_HBM_BYTES, check_target, compile_for_target
+from jaxchat.run import RunSettings
+from scripts import gpu_check
+
+D2 = RunSettings(depth=2, max_seq_len=1024, device_batch_size=2)  # windows 512 and 1024: two tiles of 512
+
+
+@pytest.mark.tpu_plugin
+def test_a_d2_step_compiles_for_a_v6e_8_with_splash_kernels():
+    report = compile_for_target(D2, 8192, None, target="v6e:2x4")
+    assert report["devices"] == 8 and report["pool_gib"] == TPU_HBM_BYTES["v6e"] / 2**30
+    # per layer splash's forward and its two backward kernels (dq, dkv), none of cuDNN's
+    assert report["kernels"]["splash"] == {"splash_mqa_dkv_no_residuals": 2, "splash_mqa_dq_no_residuals": 2,
+                                           "splash_mqa_fwd_residuals": 2}
+    assert report["kernels"]["attention"] == []
+    assert 0 < report["memory_gib"]["peak"] < report["pool_gib"]
+    kinds = {c["kind"] for c in report["collectives"]}
+    assert {"reduce-scatter", "all-gather"} <= kinds  # ZeRO-1: gradients scattered, parameters gathered
+
+
+@pytest.mark.tpu_plugin
+def test_the_command_line_reports_a_multi_host_slice(tmp_path, capsys):
+    """v5e:4x8 is 32 chips on 8 hosts (4 each): compiled here as one program over all of them."""
+    assert gpu_check.run_compile_only(gpu_check_args(tmp_path, "v5e:4x8")) == 0
+    out = capsys.readouterr().out
+    assert "against a TPU chip's HBM, 16.0 GiB" in out and "32 devices: ZeRO-1's minimum" in out
+    assert "splash_mqa_fwd_residuals" in out
+
+
+def gpu_check_args(tmp_path, target: str):
+    import argparse
+
+    from jaxchat.settings import add_setting_flags
+
+    parser = argparse.ArgumentParser()
+    add_setting_flags(parser)
+    args = parser.parse_args(["--depth", "2", "--max-seq-len", "1024", "--device-batch-size", "2"])
+    args.target, args.vocab_size, args.devices, args.json = target, 8192, [1], str(tmp_path / "report.json")
+    return args
+
+
+def test_targets_are_named_and_need_libtpu():
+    check_target("h100")
+    check_target("v5p:2x2x1")
+    with pytest.raises(ValueError, match="unknown target 'v7:2x2': use h100, or a TPU chip and topology"):
+        check_target("v7:2x2")
+    with pytest.raises(ValueError, match="unknown target 'v6e'"):
+        check_target("v6e")  # a chip without its topology
+    if importlib.util.find_spec("libtpu") is None:
+        with pytest.raises(CompileOnlyError, match=r"pip install -e '.\[tpu\]'"):
+            compile_for_target(D2, 8192, None, target="v6e:2x4")
