@@ -226,25 +226,24 @@ def compile_for_target(settings: RunSettings, vocab_size: int, num_devices: int 
     compiled = lowered.compile(compiler_options={**options, **(compiler_options or {})})
     compile_s = time.perf_counter() - start
     analysis = compiled.memory_analysis()
-    gib = 2**30
     peak = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
             + analysis.temp_size_in_bytes)
     state = run.state
-    memory = {"arguments": analysis.argument_size_in_bytes / gib, "outputs": analysis.output_size_in_bytes / gib,
-              "aliased": analysis.alias_size_in_bytes / gib, "temporaries": analysis.temp_size_in_bytes / gib,
-              "parameters": per_device_bytes(state.params, state.param_shardings) / gib,
-              "optimizer_state": per_device_bytes(state.opt_state, state.opt_shardings) / gib,
-              "peak": peak / gib}
+    memory = {"arguments": analysis.argument_size_in_bytes / GIB, "outputs": analysis.output_size_in_bytes / GIB,
+              "aliased": analysis.alias_size_in_bytes / GIB, "temporaries": analysis.temp_size_in_bytes / GIB,
+              "parameters": per_device_bytes(state.params, state.param_shardings) / GIB,
+              "optimizer_state": per_device_bytes(state.opt_state, state.opt_shardings) / GIB,
+              "peak": peak / GIB}
     hlo = compiled.as_text()
     found = hlo_collectives(hlo, num_devices)
     result = {"config": f"d{settings.depth} T{settings.max_seq_len} B{settings.device_batch_size} V{vocab_size} "
                         f"{settings.window_pattern} remat={run.settings.remat} x{num_devices} {target}",
               "devices": num_devices, "target": target, "memory_gib": memory,
-              "pool_gib": pool / gib, "peak_share_of_pool": peak / pool,
+              "pool_gib": pool / GIB, "peak_share_of_pool": peak / pool,
               "kernels": custom_call_census(hlo), "collectives": collective_summary(found),
               "lower_s": lower_s, "compile_s": compile_s, "hlo": hlo}
     if num_devices > 1:
         minimum = zero1_minimum_bytes(run.state.params, num_devices)
-        result.update(zero1_minimum_gib=minimum / gib,
+        result.update(zero1_minimum_gib=minimum / GIB,
                       moved_over_minimum=sum(c["moved"] for c in found) / minimum)
     return result

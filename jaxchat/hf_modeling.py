@@ -173,7 +173,7 @@ class JaxchatForCausalLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.lm_head
 
-    def _smear(self, x, input_ids, previous_input_ids, past, attention_mask):
+    def _smear(self, x, previous_input_ids, past, attention_mask):
         """x_t + smear_lambda sigmoid(smear_gate(x_t[:24])) x_{t-1}; nothing where t-1 is before the sequence or padding."""
         if past == 0:
             previous = torch.zeros_like(x[:, :1])
@@ -217,7 +217,7 @@ class JaxchatForCausalLM(PreTrainedModel, GenerationMixin):
 
         x = rms_norm(self.transformer["wte"](input_ids).to(dtype))
         if config.smear:
-            x = self._smear(x, input_ids, previous_input_ids, past, attention_mask)
+            x = self._smear(x, previous_input_ids, past, attention_mask)
         x0, x_mid = x, None
         for i, block in enumerate(self.transformer["h"]):
             x = (self.resid_lambdas[i] * x.float() + self.x0_lambdas[i] * x0.float()).to(dtype)

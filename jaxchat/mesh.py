@@ -71,13 +71,21 @@ def tpu_slice_hosts(environ: Mapping[str, str] = os.environ, pci_devices: str = 
     On one, the workers' list: TPU_WORKER_HOSTNAMES where set (GKE), else the metadata server's
     worker-network-endpoints (a TPU VM made with gcloud), comma-separated both."""
     try:
-        vendors = [open(os.path.join(pci_devices, d, "vendor")).read().strip() for d in os.listdir(pci_devices)]
+        devices = os.listdir(pci_devices)
     except OSError:
         return 1
-    if GOOGLE_PCI_VENDOR not in vendors:
+    if not any(_read_text(os.path.join(pci_devices, d, "vendor")) == GOOGLE_PCI_VENDOR for d in devices):
         return 1
     workers = environ.get("TPU_WORKER_HOSTNAMES") or _metadata("worker-network-endpoints", environ, timeout_s)
     return max(1, len([w for w in (workers or "").split(",") if w.strip()]))
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 def _metadata(key: str, environ: Mapping[str, str], timeout_s: float) -> str | None:
