@@ -76,6 +76,11 @@ class CompileOnlyError(RuntimeError):
     """Compiling for a GPU target cannot start here; the message says what to install."""
 
 
+class StepDidNotCompile(RuntimeError):
+    """XLA refused the step (out of memory, most often): the message names the configuration, the remat
+    policy --remat auto chose included."""
+
+
 def target_config(target: str = H100) -> str:
     """The GpuTargetConfig text of a target kept in jaxchat/targets."""
     with open(os.path.join(TARGETS_DIR, f"{target}.textproto")) as f:
@@ -142,14 +147,17 @@ def with_shardings(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def abstract_step(settings: RunSettings, vocab_size: int, mesh, *,
-                  memory_budget: tuple[int, str] | None = None) -> tuple[Run, object, tuple]:
-    """The run of these settings (one micro-step per step), its jitted step and the step's abstract
-    arguments (ShapeDtypeStructs carrying their shardings). memory_budget: (bytes, where from) of the
-    device that --remat auto decides for, where it is not this machine's (build_run)."""
+def abstract_step(settings: RunSettings, vocab_size: int, mesh, *, memory_budget: tuple[int, str] | None = None,
+                  accumulate: bool = False) -> tuple[Run, object, tuple]:
+    """The run of these settings, its jitted step and the step's abstract arguments (ShapeDtypeStructs
+    carrying their shardings): one micro-batch per step, or with accumulate the run's own gradient
+    accumulation (its --total-batch-size: the scan over micro-batches and its float32 gradient sum).
+    memory_budget: (bytes, where from) of the device that --remat auto decides for, where it is not
+    this machine's (build_run)."""
     world = mesh.devices.size
+    one_micro_batch = settings.device_batch_size * settings.max_seq_len * world
     settings = dataclasses.replace(settings, num_iterations=1000, num_devices=world,
-                                   total_batch_size=settings.device_batch_size * settings.max_seq_len * world)
+                                   total_batch_size=settings.total_batch_size if accumulate else one_micro_batch)
     run = build_run(settings, vocab_size, mesh=mesh, memory_budget=memory_budget)
     args = (with_shardings(run.state.params, run.state.param_shardings),
             with_shardings(run.state.opt_state, run.state.opt_shardings), *abstract_batch(run))
@@ -201,8 +209,9 @@ def compile_setup(target: str, num_devices: int | None):
 
 
 def compile_for_target(settings: RunSettings, vocab_size: int, num_devices: int | None, *, target: str = H100,
-                       compiler_options: dict | None = None) -> dict:
-    """The real train step of these settings (one micro-step, device_batch_size rows per device)
+                       compiler_options: dict | None = None, accumulate: bool = False) -> dict:
+    """The real train step of these settings (one micro-step, device_batch_size rows per device; with
+    accumulate, all the micro-steps of --total-batch-size, as the run compiles it)
     compiled for num_devices devices of the target (an H100) or for the chips of a TPU topology
     ('v6e:2x4'), with a GPU run's XLA options (jaxchat.runtime) on a GPU, updated by compiler_options
     (e.g. xla_dump_to). 'pool_gib' is what the program may use: XLA's pool of a GPU run, a TPU chip's HBM.
@@ -219,11 +228,18 @@ def compile_for_target(settings: RunSettings, vocab_size: int, num_devices: int 
     mesh = make_mesh(devices=devices)
     start = time.perf_counter()
     with tracing:
-        run, step, args = abstract_step(settings, vocab_size, mesh, memory_budget=(pool, f"{target}'s memory"))
+        run, step, args = abstract_step(settings, vocab_size, mesh, memory_budget=(pool, f"{target}'s memory"),
+                                        accumulate=accumulate)
         lowered = step.trace(*args).lower()
     lower_s = time.perf_counter() - start
+    config = (f"d{settings.depth} T{settings.max_seq_len} B{settings.device_batch_size} V{vocab_size} "
+              f"{settings.window_pattern} remat={run.settings.remat} x{num_devices} {target}"
+              f"{f' accumulation {run.grad_accum_steps}' if accumulate else ''}")
     start = time.perf_counter()
-    compiled = lowered.compile(compiler_options={**options, **(compiler_options or {})})
+    try:
+        compiled = lowered.compile(compiler_options={**options, **(compiler_options or {})})
+    except Exception as e:  # noqa: BLE001 -- XLA's own error (e.g. out of memory), with what was compiled
+        raise StepDidNotCompile(f"{config}: {type(e).__name__}: {e}") from e
     compile_s = time.perf_counter() - start
     analysis = compiled.memory_analysis()
     peak = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
@@ -236,8 +252,7 @@ def compile_for_target(settings: RunSettings, vocab_size: int, num_devices: int 
               "peak": peak / GIB}
     hlo = compiled.as_text()
     found = hlo_collectives(hlo, num_devices)
-    result = {"config": f"d{settings.depth} T{settings.max_seq_len} B{settings.device_batch_size} V{vocab_size} "
-                        f"{settings.window_pattern} remat={run.settings.remat} x{num_devices} {target}",
+    result = {"config": config,
               "devices": num_devices, "target": target, "memory_gib": memory,
               "pool_gib": pool / GIB, "peak_share_of_pool": peak / pool,
               "kernels": custom_call_census(hlo), "collectives": collective_summary(found),

@@ -429,7 +429,8 @@ def run_compile_only(args) -> int:
     # a TPU target's topology is its chips: one report
     for devices in [None] if is_tpu_target(args.target) else args.devices:
         try:
-            report = compile_for_target(settings, args.vocab_size, devices, target=args.target)
+            report = compile_for_target(settings, args.vocab_size, devices, target=args.target,
+                                        accumulate=args.accumulate)
         except (CompileOnlyError, SettingsError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -473,6 +474,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", default="h100", help="with --compile-only: h100, or a TPU chip and topology "
                         "(v4, v5e, v5p, v6e: e.g. v6e:2x4, v5e:4x8, v5p:2x2x1), whose chips the step is compiled for")
     parser.add_argument("--vocab-size", type=int, default=SPEEDRUN_VOCAB_SIZE, help="with --compile-only")
+    parser.add_argument("--accumulate", action="store_true", help="with --compile-only: the step with the run's "
+                        "gradient accumulation (--total-batch-size), not one micro-batch per device")
     parser.add_argument("--steps", type=int, default=10, help="timed train steps per configuration")
     parser.add_argument("--allow-cpu", action="store_true", help="no GPU: run the d2 versions on the CPU")
     parser.add_argument("--no-runtime-defaults", action="store_true",

@@ -3,6 +3,7 @@ whole pipeline with splash attention's Mosaic kernels, the memory per chip and t
 tpu_plugin: skipped without libtpu; .ci/run runs them once it has installed the tpu extra."""
 
 import importlib.util
+import json
 
 import pytest
 
@@ -29,22 +30,38 @@ def test_a_d2_step_compiles_for_a_v6e_8_with_splash_kernels():
 @pytest.mark.tpu_plugin
 def test_the_command_line_reports_a_multi_host_slice(tmp_path, capsys):
     """v5e:4x8 is 32 chips on 8 hosts (4 each): compiled here as one program over all of them."""
-    assert gpu_check.run_compile_only(gpu_check_args(tmp_path, "v5e:4x8")) == 0
+    # two micro-batches of 2 rows x 1024 tokens on each of 32 chips, accumulated as the run would
+    args = gpu_check_args(tmp_path, "v5e:4x8", "--total-batch-size", str(2 * 2 * 1024 * 32), accumulate=True)
+    assert gpu_check.run_compile_only(args) == 0
     out = capsys.readouterr().out
     assert f"against a TPU chip's HBM, {TPU_HBM_BYTES['v5e'] / 2**30:.1f} GiB" in out  # 15.8: v5e's 15.75
     assert "32 devices: ZeRO-1's minimum" in out
     assert "splash_mqa_fwd_residuals" in out
+    assert json.loads((tmp_path / "report.json").read_text())["reports"][0]["config"].endswith(" accumulation 2")
 
 
-def gpu_check_args(tmp_path, target: str):
+@pytest.mark.tpu_plugin
+def test_a_step_beyond_the_chips_memory_fails_naming_its_configuration(tmp_path, capsys):
+    """XLA:TPU's out-of-memory message, with the remat policy that --remat auto chose (none: nothing fits)."""
+    args = gpu_check_args(tmp_path, "v5e:2x4", "--device-batch-size", "512", "--remat", "auto")
+    args.vocab_size = 65536  # 512 x 1024 rows: 17.6 GiB of temporaries against v5e's 15.75 GiB
+    assert gpu_check.run_compile_only(args) == 1
+    err = capsys.readouterr().err
+    assert "did not compile: StepDidNotCompile: d2 T1024 B512 V65536 SSSL remat=" in err
+    assert "RESOURCE_EXHAUSTED" in err
+
+
+def gpu_check_args(tmp_path, target: str, *flags: str, accumulate: bool = False):
+    """gpu_check's --compile-only arguments: a d2 step at T=1024, 2 rows per chip, then the flags given."""
     import argparse
 
     from jaxchat.settings import add_setting_flags
 
     parser = argparse.ArgumentParser()
     add_setting_flags(parser)
-    args = parser.parse_args(["--depth", "2", "--max-seq-len", "1024", "--device-batch-size", "2"])
+    args = parser.parse_args(["--depth", "2", "--max-seq-len", "1024", "--device-batch-size", "2", *flags])
     args.target, args.vocab_size, args.devices, args.json = target, 8192, [1], str(tmp_path / "report.json")
+    args.accumulate = accumulate
     return args
 
 
@@ -58,3 +75,4 @@ def test_targets_are_named_and_need_libtpu():
     if importlib.util.find_spec("libtpu") is None:
         with pytest.raises(CompileOnlyError, match=r"pip install -e '.\[tpu\]'"):
             compile_for_target(D2, 8192, None, target="v6e:2x4")
+
