@@ -36,7 +36,7 @@ from jinja2 import Template
 from jaxchat.common import Progress, eta_text, get_base_dir, print0
 from jaxchat.download import DownloadError, fetch
 from jaxchat.gpt import ROTARY_LENGTH_FACTOR
-from jaxchat.mesh import params_mesh
+from jaxchat.mesh import params_mesh, rows_partitioned
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 EVAL_BUNDLE_URL_ENV = "JAXCHAT_EVAL_BUNDLE_URL"  # a mirror, or a local server in tests
@@ -281,7 +281,8 @@ def _score_rows(graphdef, replicated, state, tokens, starts, ends):
     every continuation token. Padding rows have starts == ends (empty span) and are ignored by the host."""
     model = nnx.merge(graphdef, state)
     targets = jnp.roll(tokens, -1, axis=1)  # position p predicts token p + 1
-    losses, predicted = model.token_scores(tokens, targets)  # the loss head in chunks: no (R, L, V) logits
+    with rows_partitioned(replicated.mesh):
+        losses, predicted = model.token_scores(tokens, targets)  # the loss head in chunks: no (R, L, V) logits
     positions = jnp.arange(tokens.shape[1])[None, :]
     in_span = (positions >= starts[:, None] - 1) & (positions < ends[:, None] - 1)
     mean_losses = jnp.where(in_span, losses, 0.0).sum(axis=1) / in_span.sum(axis=1)

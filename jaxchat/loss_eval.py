@@ -18,13 +18,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxchat.mesh import batch_sharding, params_mesh, put_batch
+from jaxchat.mesh import batch_sharding, params_mesh, put_batch, rows_partitioned
 
 
-@partial(jax.jit, static_argnums=0)
-def _batch_sums(graphdef, state, inputs, targets, token_bytes):
+@partial(jax.jit, static_argnums=(0, 1))
+def _batch_sums(graphdef, mesh, state, inputs, targets, token_bytes):
     """(nats, bytes) of one global batch. The sums run over every device's rows: XLA all-reduces them."""
-    losses = nnx.merge(graphdef, state)(inputs, targets, loss_reduction="none")  # 0 where target == -1
+    with rows_partitioned(mesh):
+        losses = nnx.merge(graphdef, state)(inputs, targets, loss_reduction="none")  # 0 where target == -1
     valid = targets >= 0
     num_bytes = jnp.where(valid, token_bytes[jnp.where(valid, targets, 0)], 0)
     return jnp.where(num_bytes > 0, losses, 0.0).sum(), num_bytes.sum()
@@ -51,7 +52,7 @@ def evaluate_bpb(model: nnx.Module, batches: Iterable, steps: int, token_bytes: 
     for inputs, targets in itertools.islice(batches, steps):
         inputs, targets = (x if isinstance(x, jax.Array) else put_batch(np.asarray(x, np.int32), rows)
                            for x in (inputs, targets))
-        sums.append(_batch_sums(graphdef, state, inputs, targets, token_bytes))
+        sums.append(_batch_sums(graphdef, mesh, state, inputs, targets, token_bytes))
     if len(sums) < steps:
         raise ValueError(f"the batches ran out after {len(sums)} of {steps} steps")
     sums = jax.device_get(sums)

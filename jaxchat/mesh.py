@@ -147,6 +147,13 @@ def replicated(tree, mesh: Mesh):
     return jax.tree.map(lambda _: NamedSharding(mesh, P()), tree)
 
 
+def rows_partitioned(mesh: Mesh):
+    """Trace inside this context a jitted function whose rows are sharded over the mesh and that XLA
+    partitions itself (no shard_map around the model): kernels XLA cannot partition (Pallas' splash
+    attention, jaxchat.splash_attention) then run per device on their rows."""
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+
+
 def batch_sharding(mesh: Mesh, ndim: int = 3) -> NamedSharding:
     """Training batches are (grad_accum, batch, T), eval batches (batch, T): the rows split over 'data'."""
     axes = BATCH_AXES[-ndim:]

@@ -17,6 +17,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxchat.mesh import DATA_AXIS
 
 # Tiles of 512 query rows x 512 keys (MaxText's defaults for its splash attention on v5e/v5p/v6e), forward and
 # backward alike: at T = 2048 a short window of 1024 keys spans 3 key tiles of a query tile, not all 4, and each
@@ -82,7 +85,22 @@ def compiling_for_tpu():
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int, interpret: bool | None = None) -> jax.Array:
     """q: (B, T, H, D); k, v: (B, T, Hkv, D). Returns (B, T, H, D), scale 1/sqrt(D) (applied to q in float32,
     rounded once to q's dtype). interpret: None runs the kernel compiled on a TPU (or inside compiling_for_tpu),
-    interpreted elsewhere."""
+    interpreted elsewhere.
+
+    XLA cannot partition a Mosaic kernel ("wrap the call in a shard_map"): where a mesh's data axis is in
+    context and not already manual (a jit over sharded rows: evaluation, --fsdp's step; see
+    jaxchat.mesh.rows_partitioned), each device attends over its own rows in a shard_map. Inside the
+    ZeRO-1 step's shard_map the rows are already each device's own."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or DATA_AXIS not in mesh.axis_names or DATA_AXIS in mesh.manual_axes:
+        return _splash_local(q, k, v, window, interpret)
+    # rows that do not split evenly (a single sampled row) are attended whole on every device
+    rows = P(DATA_AXIS) if q.shape[0] % mesh.shape[DATA_AXIS] == 0 else P()
+    local = functools.partial(_splash_local, window=window, interpret=interpret)
+    return jax.shard_map(local, in_specs=(rows, rows, rows), out_specs=rows, check_vma=False)(q, k, v)
+
+
+def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, window: int, interpret: bool | None) -> jax.Array:
     B, T, H, D = q.shape
     Hkv = k.shape[2]
     group = H // Hkv

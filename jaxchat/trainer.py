@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxchat.gpt import GPT, GPTConfig, abstract_model, logical_axes, use_fp8  # abstract_model: re-exported
-from jaxchat.mesh import DATA_AXIS, REPLICATED, SHARDED, batch_sharding, shardings
+from jaxchat.mesh import DATA_AXIS, REPLICATED, SHARDED, batch_sharding, rows_partitioned, shardings
 from jaxchat.optim import Optimizer
 
 
@@ -149,7 +149,8 @@ def make_train_step(state: TrainState, optimizer: Optimizer, mesh: Mesh) -> Call
     def fsdp_step(params, opt_state, inputs, targets):
         """XLA's partitioner places the collectives: it gathers each sharded weight where it is used and
         reduce-scatters its gradient; Muon's stacks are resharded from the parameters' layout."""
-        grad_sum, loss = accumulate(params, inputs, targets)
+        with rows_partitioned(mesh):
+            grad_sum, loss = accumulate(params, inputs, targets)
         grads = jax.lax.with_sharding_constraint(
             layout.to_view(jax.tree.map(lambda g: g / inputs.shape[0], grad_sum)), view_out)
         view = jax.lax.with_sharding_constraint(layout.to_view(params), view_out)

@@ -76,3 +76,37 @@ def test_targets_are_named_and_need_libtpu():
         with pytest.raises(CompileOnlyError, match=r"pip install -e '.\[tpu\]'"):
             compile_for_target(D2, 8192, None, target="v6e:2x4")
 
+
+@pytest.mark.tpu_plugin
+def test_evaluation_and_fsdp_run_splash_per_device_on_a_tpu():
+    """XLA cannot partition a Mosaic kernel: a jit over sharded rows (evaluation, --fsdp's step) failed to
+    lower with 'wrap the call in a shard_map' until splash ran in one over the rows (jaxchat.mesh.rows_partitioned)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxchat import loss_eval
+    from jaxchat.compile_only import tpu_devices
+    from jaxchat.gpt import GPT, GPTConfig
+    from jaxchat.mesh import DATA_AXIS, make_mesh
+    from jaxchat.splash_attention import compiling_for_tpu
+
+    report = compile_for_target(dataclasses.replace(D2, fsdp=True), 8192, None, target="v6e:2x4")
+    assert report["kernels"]["splash"]["splash_mqa_fwd_residuals"] == 2
+
+    mesh = make_mesh(devices=tpu_devices("v6e:2x4"))
+    config = GPTConfig(sequence_len=1024, vocab_size=8192, n_layer=2, n_head=2, n_kv_head=2, n_embd=256)
+    replicated, rows = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+    with compiling_for_tpu():
+        model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0), attention_implementation="splash",
+                                           dtype=jnp.bfloat16))
+        graphdef, state = nnx.split(model)
+        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), state)
+        batch = jax.ShapeDtypeStruct((16, 1024), jnp.int32, sharding=rows)
+        token_bytes = jax.ShapeDtypeStruct((8192,), jnp.int32, sharding=replicated)
+        lowered = loss_eval._batch_sums.trace(graphdef, mesh, state, batch, batch, token_bytes).lower()
+    hlo = lowered.compile().as_text()
+    assert "splash_mqa_fwd_no_residuals" in hlo and "all-gather" not in hlo  # each device its 2 rows
