@@ -40,6 +40,11 @@ import statistics
 import tempfile
 import time
 
+if __name__ == "__main__":  # before JAX is imported: the train step as scripts.train runs it (jaxchat.huge_pages)
+    from jaxchat.huge_pages import reexec_with_huge_pages
+
+    reexec_with_huge_pages()
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,6 +53,7 @@ from flax import nnx
 from jaxchat.common import fail, format_table, get_base_dir, quiet_jax_warnings, tree_nbytes
 from jaxchat.engine import Engine
 from jaxchat.gpt import GPT, REMAT_POLICIES, GPTConfig
+from jaxchat.huge_pages import huge_pages_note
 from jaxchat.hlo import SLICED_ALL_REDUCE
 from jaxchat.memory import memory_estimate
 from jaxchat.profiling import ProfileStepsError, StepProfiler, parse_profile_steps
@@ -410,6 +416,8 @@ def main(argv: list[str] | None = None) -> None:
         use_virtual_cpus(args.devices)
     quiet_jax_warnings()
     print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}")
+    if note := huge_pages_note():
+        print(note)
     run = {"train": main_train, "checkpoint": main_checkpoint, "decode": main_decode, "loader": main_loader,
            "memory": main_memory}
     results = run[args.what](args)

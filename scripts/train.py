@@ -19,6 +19,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+if __name__ == "__main__":  # before JAX is imported (jaxchat.common imports it): glibc reads it at start-up
+    from jaxchat.huge_pages import reexec_with_huge_pages
+
+    reexec_with_huge_pages()
+
 from jaxchat.common import PlatformError, fail, select_platform
 from jaxchat.settings import RunSettings, SettingsError, parse_settings
 
@@ -140,6 +145,7 @@ def build(settings: RunSettings, gpu_defaults_set: list[str] | None) -> tuple[Ru
 
     from jaxchat.common import print0
     from jaxchat.core_eval import download_eval_bundle
+    from jaxchat.huge_pages import huge_pages_note
     from jaxchat.run import build_run, make_layout
     from jaxchat.tokenizer import get_token_bytes, get_tokenizer
 
@@ -150,6 +156,8 @@ def build(settings: RunSettings, gpu_defaults_set: list[str] | None) -> tuple[Ru
            f"{'FSDP' if settings.fsdp else 'data parallel, ZeRO-1 optimizer state'} | remat {settings.remat}")
     if gpu_defaults_set:
         print0(f"GPU runtime defaults (not set by you): {' '.join(gpu_defaults_set)}")
+    if note := huge_pages_note():
+        print0(note)
     if settings.fp8 and device.platform != "gpu":  # nanochat ignores --fp8 there; here it runs, for testing
         print0(f"--fp8 on {device.platform}: XLA emulates the fp8 types (slow; fp8 GEMMs need a Hopper GPU or newer)")
     if settings.core_metric_every > 0:  # fetch the eval bundle now rather than fail hours into the run
