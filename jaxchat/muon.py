@@ -46,7 +46,7 @@ Hyperparameter = float | Callable[[jax.Array], jax.Array]
 
 
 def polar_express(x: jax.Array, ns_steps: int = 5, dtype=jnp.bfloat16, *, norm_safety: float = NORM_SAFETY,
-                  row_equilibration: bool = False) -> jax.Array:
+                  row_equilibration: bool = False, unroll: bool | None = None) -> jax.Array:
     """Approximate orthogonal polar factor of each matrix of x (..., r, c), returned in float32.
 
     dtype is that of the matmul operands: bfloat16 as nanochat, or float32 for the exact polynomial
@@ -62,7 +62,8 @@ def polar_express(x: jax.Array, ns_steps: int = 5, dtype=jnp.bfloat16, *, norm_s
     which is nanochat's "work on the transpose" without materialising one.
 
     norm_safety: X is first divided by norm_safety·‖X‖_F. row_equilibration: MuonEq (row_equilibrate) on
-    the rounded input before that, as nanochat/optim.py at 92d63d4.
+    the rounded input before that, as nanochat/optim.py at 92d63d4. unroll: the steps unrolled (True) or as a
+    loop (False); None, the default: a loop on the CPU, unrolled elsewhere (why: in_a_loop below).
     """
     if not 1 <= ns_steps <= len(POLAR_EXPRESS_COEFFS):
         raise ValueError(f"ns_steps must be in 1..{len(POLAR_EXPRESS_COEFFS)}, got {ns_steps}")
@@ -96,17 +97,35 @@ def polar_express(x: jax.Array, ns_steps: int = 5, dtype=jnp.bfloat16, *, norm_s
     norm = jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True))
     x = x / (norm * norm_safety + 1e-6)
     tall = x.shape[-2] > x.shape[-1]
-    for a, b, c in POLAR_EXPRESS_COEFFS[:ns_steps]:
+
+    def iteration(x: jax.Array, abc) -> jax.Array:
         # X and A are rounded once each and every term uses the rounded values: the step is then the
         # exact polynomial of one nearby matrix, an error the later steps contract (a float32 X or A
         # in one term would add the mismatch times a coefficient, |b| up to 22). a, b, c multiply
         # float32 arrays, so they are never rounded (times a bf16 array, a Python float is rounded
         # to bf16 first: 8.1566 -> 8.1875).
+        a, b, c = abc
         x = rounded(x)
         a_gram = rounded(gram(x))  # (c, c) or (r, r)
         poly = b * a_gram + c * matmul(a_gram, a_gram)
-        x = a * x + (matmul(x, poly) if tall else matmul(poly, x))
-    return x
+        return a * x + (matmul(x, poly) if tall else matmul(poly, x))
+
+    def unrolled(x: jax.Array) -> jax.Array:
+        for abc in POLAR_EXPRESS_COEFFS[:ns_steps]:
+            x = iteration(x, abc)
+        return x
+
+    def in_a_loop(x: jax.Array) -> jax.Array:
+        # on the CPU, a loop whose carry is the one X each step starts from: unrolled, XLA:CPU fused each step's
+        # elementwise update into the next step's consumers and recomputed every earlier step's from the input
+        # in each (O(steps^2) passes over the stack; d4's Polar Express 108 -> 87 ms, the same bits). Not on
+        # GPUs: there the loop made the d20 step compiled for 8 H100s peak at 57.1 GiB per device, not 36.7.
+        coeffs = jnp.asarray(POLAR_EXPRESS_COEFFS[:ns_steps], f32)
+        return jax.lax.scan(lambda x, abc: (iteration(x, (abc[0], abc[1], abc[2])), None), x, coeffs)[0]
+
+    if unroll is None:  # chosen where the program is lowered: a GPU program compiled on a CPU host is unrolled
+        return jax.lax.platform_dependent(x, cpu=in_a_loop, default=unrolled)
+    return unrolled(x) if unroll else in_a_loop(x)
 
 
 def row_equilibrate(x: jax.Array) -> jax.Array:
