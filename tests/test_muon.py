@@ -221,6 +221,17 @@ def test_polar_express_flops_agree_with_xla(shape):
     assert by_hand <= xla_flops <= 1.02 * by_hand  # XLA also counts the elementwise terms
 
 
+def test_polar_express_is_a_loop_on_the_cpu_only():
+    # lowered, not run: the steps are a loop in a program for the CPU, unrolled in one for a GPU or a TPU
+    shape = jax.ShapeDtypeStruct((2, 64, 32), jnp.float32)
+
+    def lowered(platform: str) -> str:
+        return jax.jit(polar_express).trace(shape).lower(lowering_platforms=(platform,)).as_text()
+
+    assert "stablehlo.while" in lowered("cpu")
+    assert "stablehlo.while" not in lowered("cuda") and "stablehlo.while" not in lowered("tpu")
+
+
 # PyTorch layout: square, wide, tall, and a stack of three tall matrices
 @pytest.mark.parametrize("shape", [(96, 96), (64, 256), (256, 64), (3, 80, 48)])
 @pytest.mark.parametrize("unroll", [False, True])
