@@ -78,16 +78,6 @@ def polar_express(x: jax.Array, ns_steps: int = 5, dtype=jnp.bfloat16, *, norm_s
     def matmul(p: jax.Array, q: jax.Array) -> jax.Array:
         return jnp.matmul(p.astype(dtype), q.astype(dtype), preferred_element_type=f32)
 
-    def gram(v: jax.Array) -> jax.Array:
-        # Xᵀ·X (tall) or X·Xᵀ as one dot of the single rounded operand with itself, contracting the long axis.
-        # Written as matmul(x, x.mT), XLA:CPU fused the second operand's cast into the dot and ran it on
-        # float32 inputs at ~100 GFLOP/s, not YNNPACK's bf16 kernel (d4's Polar Express 124 -> 98 ms)
-        operand = v.astype(dtype)
-        long_axis = v.ndim - (2 if v.shape[-2] > v.shape[-1] else 1)
-        batch = tuple(range(v.ndim - 2))
-        return jax.lax.dot_general(operand, operand, (((long_axis,), (long_axis,)), (batch, batch)),
-                                   preferred_element_type=f32)
-
     # the input rounded first, as nanochat's g.bfloat16(): an ulp of float32 difference in it (the
     # momentum fused differently by another program, e.g. the sharded one) then almost never reaches
     # the result, where it could otherwise flip a rounding and cascade through the iteration
@@ -106,7 +96,7 @@ def polar_express(x: jax.Array, ns_steps: int = 5, dtype=jnp.bfloat16, *, norm_s
         # to bf16 first: 8.1566 -> 8.1875).
         a, b, c = abc
         x = rounded(x)
-        a_gram = rounded(gram(x))  # (c, c) or (r, r)
+        a_gram = rounded(gram(x, dtype))  # (c, c) or (r, r)
         poly = b * a_gram + c * matmul(a_gram, a_gram)
         return a * x + (matmul(x, poly) if tall else matmul(poly, x))
 
@@ -121,11 +111,23 @@ def polar_express(x: jax.Array, ns_steps: int = 5, dtype=jnp.bfloat16, *, norm_s
         # in each (O(steps^2) passes over the stack; d4's Polar Express 108 -> 87 ms, the same bits). Not on
         # GPUs: there the loop made the d20 step compiled for 8 H100s peak at 57.1 GiB per device, not 36.7.
         coeffs = jnp.asarray(POLAR_EXPRESS_COEFFS[:ns_steps], f32)
-        return jax.lax.scan(lambda x, abc: (iteration(x, (abc[0], abc[1], abc[2])), None), x, coeffs)[0]
+        return jax.lax.scan(lambda x, abc: (iteration(x, abc), None), x, coeffs)[0]
 
     if unroll is None:  # chosen where the program is lowered: a GPU program compiled on a CPU host is unrolled
         return jax.lax.platform_dependent(x, cpu=in_a_loop, default=unrolled)
     return unrolled(x) if unroll else in_a_loop(x)
+
+
+def gram(x: jax.Array, dtype) -> jax.Array:
+    """Xᵀ·X of each tall matrix of x, X·Xᵀ of the others, from its operands rounded to dtype, in float32: one dot
+    of the single operand with itself, contracting the long axis. (Written as matmul(x, x.mT), XLA:CPU fused the
+    second operand's cast into the dot and ran it on float32 inputs at ~100 GFLOP/s, not YNNPACK's bf16 kernel:
+    d4's Polar Express 124 -> 98 ms.)"""
+    operand = x.astype(dtype)
+    long_axis = x.ndim - (2 if x.shape[-2] > x.shape[-1] else 1)
+    batch = tuple(range(x.ndim - 2))
+    return jax.lax.dot_general(operand, operand, (((long_axis,), (long_axis,)), (batch, batch)),
+                               preferred_element_type=jnp.float32)
 
 
 def row_equilibrate(x: jax.Array) -> jax.Array:
