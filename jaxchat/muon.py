@@ -88,7 +88,7 @@ def polar_express(x: jax.Array, ns_steps: int = 5, dtype=jnp.bfloat16, *, norm_s
     x = x / (norm * norm_safety + 1e-6)
     tall = x.shape[-2] > x.shape[-1]
 
-    def iteration(x: jax.Array, abc) -> jax.Array:
+    def iteration(x: jax.Array, abc, tall: bool = tall) -> jax.Array:
         # X and A are rounded once each and every term uses the rounded values: the step is then the
         # exact polynomial of one nearby matrix, an error the later steps contract (a float32 X or A
         # in one term would add the mismatch times a coefficient, |b| up to 22). a, b, c multiply
@@ -110,8 +110,14 @@ def polar_express(x: jax.Array, ns_steps: int = 5, dtype=jnp.bfloat16, *, norm_s
         # elementwise update into the next step's consumers and recomputed every earlier step's from the input
         # in each (O(steps^2) passes over the stack; d4's Polar Express 108 -> 87 ms, the same bits). Not on
         # GPUs: there the loop made the d20 step compiled for 8 H100s peak at 57.1 GiB per device, not 36.7.
+        # A tall X is carried as its wide transpose (nanochat's "work on the transpose"): its Gram Xᵀ·X, a
+        # contraction over the first axis of both operands, ran in Eigen on float32 copies; X·Xᵀ of the
+        # transpose runs in YNNPACK's bf16 kernel (d4's tall stack 30 -> 20 ms)
         coeffs = jnp.asarray(POLAR_EXPRESS_COEFFS[:ns_steps], f32)
-        return jax.lax.scan(lambda x, abc: (iteration(x, abc), None), x, coeffs)[0]
+        if not tall:
+            return jax.lax.scan(lambda x, abc: (iteration(x, abc), None), x, coeffs)[0]
+        wide = jax.lax.scan(lambda x, abc: (iteration(x, abc, tall=False), None), jnp.swapaxes(x, -1, -2), coeffs)[0]
+        return jnp.swapaxes(wide, -1, -2)
 
     if unroll is None:  # chosen where the program is lowered: a GPU program compiled on a CPU host is unrolled
         return jax.lax.platform_dependent(x, cpu=in_a_loop, default=unrolled)
