@@ -6,8 +6,8 @@ it fresh from the kernel and unmaps it when the step ends; the next step faults 
 (~90,000 page faults per step, `perf` put 30% of them in YNNPACK's matmuls writing their output). With glibc's
 tunable `glibc.malloc.hugetlb=1` (glibc 2.35 and newer) malloc asks for transparent huge pages
 (madvise(MADV_HUGEPAGE)) on the memory it maps, which the kernel then backs with 2 MiB pages wherever its THP
-mode is `madvise` (Debian's and Ubuntu's default): ~10x fewer faults and fewer TLB misses, the d4 step ~10%
-faster on a 2-core AVX-512 VM (docs/benchmarks.md), the same numbers (only where memory lies changes).
+mode is `madvise` (Debian's and Ubuntu's default): ~10x fewer faults, the d4 step ~10% faster on a 2-core
+AVX-512 VM (docs/benchmarks.md), the same numbers (only where memory lies changes).
 
 glibc reads its tunables once, when the process starts, so a script that runs steps calls
 reexec_with_huge_pages() before it imports JAX: it re-executes the same command (same PID, arguments and

@@ -58,8 +58,9 @@ def polar_express(x: jax.Array, ns_steps: int = 5, dtype=jnp.bfloat16, *, norm_s
     which tests/test_muon.py emulates).
 
     The iteration X <- a·X + (b·A + c·A²)·X with A = X·Xᵀ is an odd polynomial in X, so it commutes
-    with transposition: for tall matrices we form the small Gram Xᵀ·X and multiply from the right,
-    which is nanochat's "work on the transpose" without materialising one.
+    with transposition: unrolled (GPUs, TPUs), a tall matrix's small Gram Xᵀ·X is formed and multiplied from
+    the right, nanochat's "work on the transpose" without materialising one; on the CPU the transpose itself
+    is carried (in_a_loop below).
 
     norm_safety: X is first divided by norm_safety·‖X‖_F. row_equilibration: MuonEq (row_equilibrate) on
     the rounded input before that, as nanochat/optim.py at 92d63d4. unroll: the steps unrolled (True) or as a

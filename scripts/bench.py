@@ -53,8 +53,8 @@ from flax import nnx
 from jaxchat.common import fail, format_table, get_base_dir, quiet_jax_warnings, tree_nbytes
 from jaxchat.engine import Engine
 from jaxchat.gpt import GPT, REMAT_POLICIES, GPTConfig
-from jaxchat.huge_pages import huge_pages_note
 from jaxchat.hlo import SLICED_ALL_REDUCE
+from jaxchat.huge_pages import huge_pages_note
 from jaxchat.memory import memory_estimate
 from jaxchat.profiling import ProfileStepsError, StepProfiler, parse_profile_steps
 from jaxchat.run import RunSettings, build_run

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-if __name__ == "__main__":  # before JAX is imported (jaxchat.common imports it): glibc reads it at start-up
+if __name__ == "__main__":  # before JAX is imported (jaxchat.common imports it): glibc reads its tunables at start-up
     from jaxchat.huge_pages import reexec_with_huge_pages
 
     reexec_with_huge_pages()
