@@ -89,13 +89,14 @@ def polar_express(x: jax.Array, ns_steps: int = 5, dtype=jnp.bfloat16, *, norm_s
     x = x / (norm * norm_safety + 1e-6)
     tall = x.shape[-2] > x.shape[-1]
 
-    def iteration(x: jax.Array, abc, tall: bool = tall) -> jax.Array:
+    def iteration(x: jax.Array, abc) -> jax.Array:
         # X and A are rounded once each and every term uses the rounded values: the step is then the
         # exact polynomial of one nearby matrix, an error the later steps contract (a float32 X or A
         # in one term would add the mismatch times a coefficient, |b| up to 22). a, b, c multiply
         # float32 arrays, so they are never rounded (times a bf16 array, a Python float is rounded
         # to bf16 first: 8.1566 -> 8.1875).
         a, b, c = abc
+        tall = x.shape[-2] > x.shape[-1]  # (False for the wide transpose in_a_loop carries)
         x = rounded(x)
         a_gram = rounded(gram(x, dtype))  # (c, c) or (r, r)
         poly = b * a_gram + c * matmul(a_gram, a_gram)
@@ -115,10 +116,8 @@ def polar_express(x: jax.Array, ns_steps: int = 5, dtype=jnp.bfloat16, *, norm_s
         # contraction over the first axis of both operands, ran in Eigen on float32 copies; X·Xᵀ of the
         # transpose runs in YNNPACK's bf16 kernel (d4's tall stack 30 -> 20 ms)
         coeffs = jnp.asarray(POLAR_EXPRESS_COEFFS[:ns_steps], f32)
-        if not tall:
-            return jax.lax.scan(lambda x, abc: (iteration(x, abc), None), x, coeffs)[0]
-        wide = jax.lax.scan(lambda x, abc: (iteration(x, abc, tall=False), None), jnp.swapaxes(x, -1, -2), coeffs)[0]
-        return jnp.swapaxes(wide, -1, -2)
+        wide = jax.lax.scan(lambda x, abc: (iteration(x, abc), None), jnp.swapaxes(x, -1, -2) if tall else x, coeffs)[0]
+        return jnp.swapaxes(wide, -1, -2) if tall else wide
 
     if unroll is None:  # chosen where the program is lowered: a GPU program compiled on a CPU host is unrolled
         return jax.lax.platform_dependent(x, cpu=in_a_loop, default=unrolled)
