@@ -27,7 +27,7 @@ from jaxchat.checkpoint_meta import TOKENIZER_SUBDIR
 from jaxchat.common import get_base_dir
 from jaxchat.engine import default_stop_tokens
 from jaxchat.gpt import ROTARY_LENGTH_FACTOR, GPTConfig
-from jaxchat.interop import to_nanochat_state_dict
+from jaxchat.interop import jaxchat_folders, to_nanochat_state_dict
 from jaxchat.saved_model import find_model_tag, load_model
 from jaxchat.staged_files import StagedFiles, check_writable_dir
 from jaxchat.tokenizer import BOS, RANKS_FILE, Tokenizer, get_tokenizer
@@ -36,6 +36,8 @@ MODELING_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_m
 MODELING_FILE = "modeling_jaxchat.py"
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+MODEL_CARD_FILE = "README.md"
 INSTALL_HINT = ("pip install -e '.[hf]' (PyTorch's CPU build first keeps it small: "
                 "pip install torch --index-url https://download.pytorch.org/whl/cpu)")
 # The text of the export's own check: spaces, digits, punctuation and non-ASCII, as any text the model meets
@@ -146,49 +148,63 @@ def model_card(meta: dict, model_tag: str) -> str:
 def export_to_hf(output_dir: str, model_tag: str | None = None, step: int | None = None,
                  base_dir: str | None = None, overwrite: bool = False) -> tuple[list[str], float]:
     """Writes the Hugging Face directory of a checkpoint; returns (files written, the check's largest logit
-    difference). An export already there is refused unless overwrite; everything is checked before a file is
-    written, and the files appear together."""
+    difference). A file of the export that is there already is refused unless overwrite, and the base dir's
+    own folders always (StagedFiles); everything is checked before a file is written, and the files appear
+    together."""
     import_hf()
     base_dir = base_dir or get_base_dir()
-    targets = [os.path.join(output_dir, name) for name in (CONFIG_FILE, WEIGHTS_FILE, MODELING_FILE)]
-    if not overwrite and any(os.path.exists(path) for path in targets):
-        raise ValueError(f"{output_dir} holds a Hugging Face export already: pass --overwrite to replace it, "
-                         "or export into another directory")
-    check_writable_dir(output_dir)
     tokenizer = get_tokenizer(os.path.join(base_dir, TOKENIZER_SUBDIR))
     model_tag = model_tag or find_model_tag(base_dir)
     # float32 and XLA attention wherever this runs, so that the check compares float32 with float32
     model, meta = load_model(model_tag, step, base_dir, tokenizer=tokenizer, dtype=jnp.float32,
                              attention_implementation="xla")
-    state_dict = to_nanochat_state_dict(model)
-    hf = hf_model(model.config, tokenizer, state_dict)
     hf_tok = hf_tokenizer(tokenizer, ROTARY_LENGTH_FACTOR * model.config.sequence_len)  # what the model reaches
-    difference = check_export(model, hf, tokenizer, hf_tok)
-    hf.generation_config.update(bos_token_id=tokenizer.get_bos_token_id(), pad_token_id=tokenizer.get_bos_token_id(),
-                                eos_token_id=default_stop_tokens(tokenizer))
-    written = []
-    with tempfile.TemporaryDirectory() as scratch, StagedFiles() as staged:
+    staged = StagedFiles(overwrite, keep_out=jaxchat_folders(base_dir))
+    with tempfile.TemporaryDirectory() as scratch:
         hf_tok.save_pretrained(scratch)  # transformers' own files for its own loader
-        for name in sorted(os.listdir(scratch)):
-            written.append(os.path.join(output_dir, name))
-            shutil.copyfile(os.path.join(scratch, name), staged.path(written[-1]))
-        texts = {CONFIG_FILE: hf.config.to_json_string(), "generation_config.json": hf.generation_config.to_json_string(),
-                 "README.md": model_card(meta, model_tag)}
-        for name, text in texts.items():
-            written.append(os.path.join(output_dir, name))
-            with open(staged.path(written[-1]), "w", encoding="utf-8") as f:
-                f.write(text)
-        written += [os.path.join(output_dir, MODELING_FILE), os.path.join(output_dir, WEIGHTS_FILE)]
-        shutil.copyfile(MODELING_SOURCE, staged.path(written[-2]))
-        safetensors.numpy.save_file(state_dict, staged.path(written[-1]), metadata={"format": "pt"})
+        copies = {name: os.path.join(scratch, name) for name in sorted(os.listdir(scratch))}
+        copies[MODELING_FILE] = MODELING_SOURCE
+        names = [*copies, CONFIG_FILE, GENERATION_CONFIG_FILE, MODEL_CARD_FILE, WEIGHTS_FILE]
+        written = [os.path.join(output_dir, name) for name in names]
+        staged.check(written)
+        check_writable_dir(output_dir)
+        state_dict = to_nanochat_state_dict(model)
+        hf = hf_model(model.config, tokenizer, state_dict)
+        difference = check_export(model, hf, tokenizer, hf_tok)
+        hf.generation_config.update(bos_token_id=tokenizer.get_bos_token_id(), pad_token_id=tokenizer.get_bos_token_id(),
+                                    eos_token_id=default_stop_tokens(tokenizer))
+        texts = {CONFIG_FILE: hf.config.to_json_string(), GENERATION_CONFIG_FILE: hf.generation_config.to_json_string(),
+                 MODEL_CARD_FILE: model_card(meta, model_tag)}
+        with staged:
+            for name, source in copies.items():
+                shutil.copyfile(source, staged.path(os.path.join(output_dir, name)))
+            for name, text in texts.items():
+                with open(staged.path(os.path.join(output_dir, name)), "w", encoding="utf-8") as f:
+                    f.write(text)
+            safetensors.numpy.save_file(state_dict, staged.path(os.path.join(output_dir, WEIGHTS_FILE)),
+                                        metadata={"format": "pt"})
     return written, difference
 
 
-def push_to_hub(directory: str, repo_id: str, private: bool = False) -> str:
-    """Uploads an exported directory to the Hub (creating the model repository if needed); returns its URL."""
+def upload_operations(files: list[str]) -> list:
+    """One addition per file the export wrote, under its own name: nothing else in the directory (a .env,
+    notes, an older export's leftovers) goes up."""
+    from huggingface_hub import CommitOperationAdd
+
+    return [CommitOperationAdd(path_in_repo=os.path.basename(path), path_or_fileobj=path) for path in files]
+
+
+def push_to_hub(files: list[str], repo_id: str, private: bool = False) -> str:
+    """Uploads the files of an export to a Hub model repository, in one commit; creates the repository if
+    needed, public unless private (huggingface-cli upload's default). An existing public repository is
+    refused when private is asked for: create_repo leaves an existing repository's visibility as it is.
+    Returns its URL."""
     from huggingface_hub import HfApi
 
     api = HfApi()
-    api.create_repo(repo_id, private=private, exist_ok=True)
-    api.upload_folder(folder_path=directory, repo_id=repo_id, commit_message="jaxchat export")
-    return f"https://huggingface.co/{repo_id}"
+    url = api.create_repo(repo_id, private=private, exist_ok=True)
+    if private and not api.repo_info(repo_id).private:
+        raise ValueError(f"{repo_id} exists already and is public: --private does not change it; make it private "
+                         "on the Hub first, or push to another repository")
+    api.create_commit(repo_id, operations=upload_operations(files), commit_message="jaxchat export")
+    return str(url)

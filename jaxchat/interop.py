@@ -12,7 +12,8 @@ A nanochat base directory, as its load_model("base", ...) and get_tokenizer() re
                                                upcasts on CPU), the rest float32
   base_checkpoints/<tag>/meta_<step:06d>.json  base_train.py's meta: model_config (GPTConfig's fields), ...
   tokenizer/tokenizer.pkl                      the pickled tiktoken.Encoding (RustBPETokenizer.save)
-  tokenizer/token_bytes.pt                     int32 tensor, UTF-8 bytes of each decoded token, 0 for specials
+  tokenizer/token_bytes.pt                     int32 tensor, bytes of each token, 0 for specials (bdcc030:
+                                               of the decoded token in UTF-8; 92d63d4: its raw bytes)
 
 Names follow from the nnx parameter paths by rule: blocks.<i>.<sub>.<layer>.kernel is
 transformer.h.<i>.<sub>.<layer>.weight transposed (Flax kernels are (in, out)), wte.embedding is
@@ -39,8 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxchat.checkpoint_meta import NANOCHAT_WEIGHTS_FILE, TOKENIZER_SUBDIR, nanochat_files
-from jaxchat.gpt import GPT, RECIPES, GPTConfig, abstract_model
+from jaxchat.checkpoint_meta import CHECKPOINTS_SUBDIR, NANOCHAT_WEIGHTS_FILE, TOKENIZER_SUBDIR, nanochat_files
+from jaxchat.gpt import DEFAULT_RECIPE, GPT, RECIPES, GPTConfig, abstract_model
+from jaxchat.shards import CORPORA
 from jaxchat.staged_files import StagedFiles
 from jaxchat.tokenizer import Tokenizer
 
@@ -75,6 +77,14 @@ def import_torch():
     except ImportError as e:
         raise ImportError(f"nanochat's .pt files need PyTorch, which is not installed: {INSTALL_HINT}") from e
     return torch
+
+
+def jaxchat_folders(base_dir: str) -> list[str]:
+    """The folders of a jaxchat base dir that no export may write into (StagedFiles' keep_out): the runs'
+    checkpoints (a step's directory goes with its step), the tokenizer every run reads, the corpora's
+    shards, and the report (its reset removes every .md and .json there)."""
+    names = [CHECKPOINTS_SUBDIR, TOKENIZER_SUBDIR, "report", *(corpus.dir_name for corpus in CORPORA.values())]
+    return [os.path.join(base_dir, name) for name in names]
 
 
 # ---- parameter names and layout ------------------------------------------------------------------
@@ -182,12 +192,10 @@ def config_from_nanochat_meta(meta: dict, where: str, recipe: str = "bdcc030") -
 def save_nanochat_checkpoint(model: GPT, meta: dict, step: int, directory: str,
                              staged: StagedFiles | None = None) -> tuple[str, str]:
     """Writes model_<step:06d>.pt and meta_<step:06d>.json into `directory` as nanochat's
-    save_checkpoint does; returns their paths. Refuses to replace an existing model file. Both appear
-    together when `staged` (or, without it, this call) ends without an error."""
+    save_checkpoint does; returns their paths. Both appear together when `staged` (or, without it, this
+    call) ends without an error; files there already are replaced only as `staged` allows (by default not)."""
     torch = import_torch()
     model_path, meta_path = (os.path.join(directory, name) for name in nanochat_files(step))
-    if os.path.exists(model_path):
-        raise FileExistsError(f"{model_path} exists already: remove it, or export into another nanochat base dir")
     nanochat_meta_json = json.dumps(nanochat_meta(meta, step), indent=2)  # its errors before any write
     state_dict = {}
     for name, value in to_nanochat_state_dict(model).items():
@@ -265,10 +273,13 @@ def read_nanochat_meta(weights_path: str, meta_path: str | None) -> tuple[dict, 
 
 # ---- tokenizer.pkl and token_bytes.pt ------------------------------------------------------------
 
-def nanochat_token_bytes(tokenizer: Tokenizer) -> np.ndarray:
-    """int32 bytes per token id as nanochat's tok_train.py counts them: the UTF-8 length of the decoded
-    token (a lone piece of a multi-byte character counts as U+FFFD, 3 bytes; jaxchat's own
-    token_bytes counts raw bytes), 0 for special tokens. nanochat's bits per byte use these."""
+def nanochat_token_bytes(tokenizer: Tokenizer, recipe: str) -> np.ndarray:
+    """int32 bytes per token id as the recipe's commit of nanochat's tok_train.py counts them, 0 for special
+    tokens; nanochat's bits per byte divide by these. 92d63d4 counts raw bytes (decode_single_token_bytes),
+    as jaxchat does; bdcc030 the UTF-8 length of the decoded token, where a lone piece of a multi-byte
+    character counts as U+FFFD, 3 bytes."""
+    if recipe != "bdcc030":
+        return tokenizer.token_bytes()
     special = set(tokenizer.get_special_tokens())
     lengths = []
     for token_id in range(tokenizer.get_vocab_size()):
@@ -277,19 +288,34 @@ def nanochat_token_bytes(tokenizer: Tokenizer) -> np.ndarray:
     return np.asarray(lengths, dtype=np.int32)
 
 
-def save_nanochat_tokenizer(tokenizer: Tokenizer, directory: str, staged: StagedFiles | None = None) -> None:
-    """tokenizer.pkl (the tiktoken Encoding nanochat's RustBPETokenizer pickles) and token_bytes.pt;
-    both appear when `staged` (or, without it, this call) ends without an error."""
+def holds_nanochat_token_bytes(path: str, tokenizer: Tokenizer, recipe: str) -> bool:
+    """Whether `path` is a token_bytes.pt of this tokenizer as the recipe's commit counts them (not when
+    missing, unreadable, or counted by the other commit's rule)."""
+    torch = import_torch()
+    try:
+        held = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001 -- missing or damaged: torch raises OSError, RuntimeError, pickle's errors...
+        return False
+    return isinstance(held, torch.Tensor) and held.tolist() == nanochat_token_bytes(tokenizer, recipe).tolist()
+
+
+def save_nanochat_tokenizer(tokenizer: Tokenizer, directory: str, staged: StagedFiles | None = None,
+                            recipe: str = DEFAULT_RECIPE, names: tuple[str, ...] = (TOKENIZER_PICKLE, TOKEN_BYTES_PT)) -> None:
+    """tokenizer.pkl (the tiktoken Encoding nanochat's RustBPETokenizer pickles) and token_bytes.pt as the
+    recipe's commit counts them, or those of them in `names`; they appear when `staged` (or, without it,
+    this call) ends without an error."""
     import tiktoken
 
     torch = import_torch()
     encoding = tiktoken.Encoding(name=ENCODING_NAME, pat_str=tokenizer.pattern,
                                  mergeable_ranks=tokenizer.mergeable_ranks, special_tokens=tokenizer.special_tokens)
     with contextlib.nullcontext(staged) if staged else StagedFiles() as files:
-        with open(files.path(os.path.join(directory, TOKENIZER_PICKLE)), "wb") as f:
-            pickle.dump(encoding, f)
-        with open(files.path(os.path.join(directory, TOKEN_BYTES_PT)), "wb") as f:
-            torch.save(torch.from_numpy(nanochat_token_bytes(tokenizer)), f)
+        if TOKENIZER_PICKLE in names:
+            with open(files.path(os.path.join(directory, TOKENIZER_PICKLE)), "wb") as f:
+                pickle.dump(encoding, f)
+        if TOKEN_BYTES_PT in names:
+            with open(files.path(os.path.join(directory, TOKEN_BYTES_PT)), "wb") as f:
+                torch.save(torch.from_numpy(nanochat_token_bytes(tokenizer, recipe)), f)
 
 
 class _EncodingRecord:

@@ -4,9 +4,17 @@ temporary name beside its target and renames them all once every one is written,
 as they were. Each file is flushed to disk (fsync) before it takes its target's name, and its directory
 after, so that a crash just after the export cannot leave a target empty or the old one back.
 
+Nothing is replaced that a person did not name: a target that exists already is refused unless the
+StagedFiles was made with overwrite=True (the command's --overwrite), and a target inside one of its
+keep_out folders (folders another program manages, such as a base dir's checkpoints) is refused always.
+Each file takes the mode a new file gets in its directory (the umask, or a default ACL), whatever mode
+its writer gave it (safetensors writes 0600).
+
     check_writable_dir(directory)            # before anything is written: fails with why
     make_parent_dir(report_path)             # the same, and the folder made (a report written at the end)
-    with StagedFiles() as staged:
+    staged = StagedFiles(overwrite=False, keep_out=[...])
+    staged.check([model_path, meta_path])    # before the work: what would be replaced, in one error
+    with staged:
         torch.save(state_dict, staged.path(model_path))
         write_json(meta, staged.path(meta_path))
     # here both exist; after an error neither was touched (and the temporaries are gone)
@@ -14,6 +22,7 @@ after, so that a crash just after the export cannot leave a target empty or the 
 
 import os
 import tempfile
+from collections.abc import Iterable, Sequence
 
 
 def check_writable_dir(directory: str) -> None:
@@ -41,13 +50,34 @@ def make_parent_dir(path: str) -> None:
     os.makedirs(directory, exist_ok=True)
 
 
-class StagedFiles:
-    """Hands out temporary paths beside their targets; on a clean exit renames each to its target, on an
-    error removes them and the directories made for them."""
+def _inside(path: str, folder: str) -> bool:
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return os.path.commonpath([path, folder]) == folder
 
-    def __init__(self):
+
+class StagedFiles:
+    """Hands out temporary paths beside their targets; on a clean exit renames each to its target (if
+    `check` allows), on an error removes them and the directories made for them."""
+
+    def __init__(self, overwrite: bool = False, keep_out: Sequence[str] = ()):
+        self.overwrite, self.keep_out = overwrite, list(keep_out)
         self._renames: list[tuple[str, str]] = []
         self._made_dirs: list[str] = []
+
+    def check(self, targets: Iterable[str]) -> None:
+        """ValueError if a target lies in a keep_out folder (whatever overwrite says); FileExistsError naming
+        every target that exists already, unless overwrite. Called before the work, and again on commit."""
+        targets = list(targets)
+        for folder in self.keep_out:
+            inside = [target for target in targets if _inside(target, folder)]
+            if inside:
+                raise ValueError(f"{inside[0]} would be inside {folder}, one of jaxchat's own folders (jaxchat replaces "
+                                 "or deletes what is there): export elsewhere")
+        existing = [target for target in targets if os.path.lexists(target)]
+        if existing and not self.overwrite:
+            raise FileExistsError(f"{', '.join(existing)} exist{'s' if len(existing) == 1 else ''} already: pass "
+                                  f"--overwrite to replace {'it' if len(existing) == 1 else 'them'}, or export into "
+                                  "another directory")
 
     def path(self, target: str) -> str:
         """Where to write `target` for now (its directory is made if needed)."""
@@ -69,6 +99,11 @@ class StagedFiles:
 
     def __exit__(self, exc_type, exc, traceback) -> None:
         if exc_type is None:
+            try:
+                self.check(target for _, target in self._renames)
+            except BaseException:
+                self._discard()
+                raise
             self._commit()
             return
         self._discard()
@@ -76,7 +111,12 @@ class StagedFiles:
     def _commit(self) -> None:
         """Every temporary onto its target; an earlier target is kept under a backup name until all are in
         place, and put back if a rename fails (then the temporaries are removed and the error raised)."""
+        modes: dict[str, int] = {}
         for temporary, _ in self._renames:
+            directory = os.path.dirname(temporary)
+            if directory not in modes:
+                modes[directory] = _new_file_mode(directory)
+            os.chmod(temporary, modes[directory])
             _fsync(temporary)
         done: list[tuple[str, str | None]] = []  # (target, its backup or None) in the order renamed
         try:
@@ -110,6 +150,18 @@ class StagedFiles:
                 os.rmdir(d)
             except OSError:  # something else was put there meanwhile: not ours to remove
                 pass
+
+
+def _new_file_mode(directory: str) -> int:
+    """The permission bits a file created in `directory` gets (0o666 less the umask, or its default ACL's),
+    read from a real one: the umask cannot be read without setting it, which other threads would see."""
+    probe = os.path.join(directory, f".mode_test.{os.getpid()}.tmp")
+    fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+    try:
+        return os.fstat(fd).st_mode & 0o7777
+    finally:
+        os.close(fd)
+        os.remove(probe)
 
 
 def _fsync(path: str) -> None:

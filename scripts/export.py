@@ -8,18 +8,23 @@ Hand a base model to nanochat's later stages (midtraining, SFT, RL, chat):
 
 writes what nanochat's load_model("base", ...) and get_tokenizer() read from that base directory:
 base_checkpoints/<tag>/model_<step:06d>.pt + meta_<step:06d>.json, and tokenizer/tokenizer.pkl +
-token_bytes.pt (kept if the same tokenizer is there already; another one is refused). Needs PyTorch:
-pip install -e '.[nanochat]'.
+token_bytes.pt as the recipe's commit counts them (kept if the same tokenizer is there already; another one
+is refused). Needs PyTorch: pip install -e '.[nanochat]'.
 
 Hand it to Hugging Face (transformers, lm-evaluation-harness, the Hub): a directory that
 AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True) and AutoTokenizer.from_pretrained(DIR)
 load, checked against jaxchat's logits before it is written (jaxchat.hf_export). Needs pip install -e '.[hf]':
 
-    python -m scripts.export --to-hf DIR [--model-tag d20] [--step 21400] [--overwrite] [--push-to-hub USER/REPO]
+    python -m scripts.export --to-hf DIR [--model-tag d20] [--step 21400] [--overwrite] [--push-to-hub USER/REPO [--private]]
+
+--push-to-hub uploads the files the export wrote, nothing else in DIR, to a public repository unless --private.
 
 The weights alone, without PyTorch (safetensors, nanochat's names and layout, float32):
 
     python -m scripts.export [--output DIR]            # DIR: <base_dir>/nanochat_export/<tag>
+
+Every export refuses to replace a file that is there already unless --overwrite, and never writes into
+the base dir's own folders (base_checkpoints/, tokenizer/, the shards', report/): see jaxchat.staged_files.
 
 Import nanochat weights as a jaxchat checkpoint (weights only: it can be evaluated and sampled, not
 resumed, since nanochat's optimizer state does not map onto jaxchat's):
@@ -45,8 +50,8 @@ from jaxchat.checkpoint_meta import (CHECKPOINTS_SUBDIR, TOKENIZER_SUBDIR, TRAIN
                                      default_model_tag, nanochat_files, tokenizer_info)
 from jaxchat.common import fail, get_base_dir, quiet_jax_warnings
 from jaxchat.interop import (TOKEN_BYTES_PT, TOKENIZER_PICKLE, config_from_nanochat_meta, from_nanochat_state_dict,
-                             load_nanochat_state_dict, load_nanochat_tokenizer, nanochat_meta, nanochat_tokenizer_path,
-                             read_nanochat_meta, recipe_of_state_dict,
+                             holds_nanochat_token_bytes, jaxchat_folders, load_nanochat_state_dict, load_nanochat_tokenizer, nanochat_meta,
+                             nanochat_tokenizer_path, read_nanochat_meta, recipe_of_state_dict,
                              save_nanochat_checkpoint, save_nanochat_tokenizer, to_nanochat_state_dict)
 from jaxchat.saved_model import find_model_tag, load_model
 from jaxchat.staged_files import StagedFiles, check_writable_dir
@@ -65,9 +70,10 @@ def _holds_tokenizer(existing, tokenizer, where: str, what_to_do: str) -> bool:
 
 
 def export_to_nanochat(nanochat_dir: str, model_tag: str | None = None, step: int | None = None,
-                       base_dir: str | None = None) -> list[str]:
+                       base_dir: str | None = None, overwrite: bool = False) -> list[str]:
     """Writes a jaxchat checkpoint and its tokenizer into a nanochat base directory; returns the files written.
-    Everything is checked first and the files appear together: a failure leaves nanochat_dir as it was."""
+    Everything is checked first and the files appear together: a failure leaves nanochat_dir as it was. A file
+    there already is replaced only with overwrite (the same tokenizer is kept, another one refused)."""
     base_dir = base_dir or get_base_dir()
     tokenizer = get_tokenizer(os.path.join(base_dir, TOKENIZER_SUBDIR))
     model_tag = model_tag or find_model_tag(base_dir)
@@ -78,28 +84,38 @@ def export_to_nanochat(nanochat_dir: str, model_tag: str | None = None, step: in
     keep_tokenizer = _holds_tokenizer(existing, tokenizer, tokenizer_dir,
                                       "export into another nanochat base dir, or move that tokenizer away")
     model_dir = os.path.join(nanochat_dir, CHECKPOINTS_SUBDIR, model_tag)
-    for directory in [model_dir] + ([] if keep_tokenizer else [tokenizer_dir]):
+    recipe = model.config.recipe
+    tokenizer_files = (TOKENIZER_PICKLE, TOKEN_BYTES_PT)
+    if keep_tokenizer:  # its token_bytes.pt too, unless counted by the other commit's rule (or missing)
+        same = holds_nanochat_token_bytes(os.path.join(tokenizer_dir, TOKEN_BYTES_PT), tokenizer, recipe)
+        tokenizer_files = () if same else (TOKEN_BYTES_PT,)
+    targets = [os.path.join(model_dir, name) for name in nanochat_files(meta["step"])]
+    targets += [os.path.join(tokenizer_dir, name) for name in tokenizer_files]
+    staged = StagedFiles(overwrite, keep_out=jaxchat_folders(base_dir))
+    staged.check(targets)
+    for directory in [model_dir] + ([tokenizer_dir] if tokenizer_files else []):
         check_writable_dir(directory)
-    with StagedFiles() as staged:
-        written = list(save_nanochat_checkpoint(model, meta, meta["step"], model_dir, staged))
-        if not keep_tokenizer:
-            save_nanochat_tokenizer(tokenizer, tokenizer_dir, staged)
-            written += [os.path.join(tokenizer_dir, TOKENIZER_PICKLE), os.path.join(tokenizer_dir, TOKEN_BYTES_PT)]
-    return written
+    with staged:
+        save_nanochat_checkpoint(model, meta, meta["step"], model_dir, staged)
+        save_nanochat_tokenizer(tokenizer, tokenizer_dir, staged, recipe, names=tokenizer_files)
+    return targets
 
 
 def export_checkpoint(model_tag: str | None = None, step: int | None = None, output: str | None = None,
-                      base_dir: str | None = None) -> tuple[str, str]:
-    """Writes model_<step>.safetensors and meta_<step>.json (no PyTorch needed); returns their paths."""
+                      base_dir: str | None = None, overwrite: bool = False) -> tuple[str, str]:
+    """Writes model_<step>.safetensors and meta_<step>.json (no PyTorch needed); returns their paths. Files
+    there already are replaced only with overwrite."""
     base_dir = base_dir or get_base_dir()
     model_tag = model_tag or find_model_tag(base_dir)
     model, meta = load_model(model_tag, step, base_dir)
     step = meta["step"]
     output = output or os.path.join(base_dir, "nanochat_export", model_tag)
-    check_writable_dir(output)
     weights_path, meta_path = (os.path.join(output, name) for name in nanochat_files(step, "safetensors"))
+    staged = StagedFiles(overwrite, keep_out=jaxchat_folders(base_dir))
+    staged.check([weights_path, meta_path])
+    check_writable_dir(output)
     meta_json = json.dumps(nanochat_meta(meta, step), indent=2)
-    with StagedFiles() as staged:  # both files or neither
+    with staged:  # both files or neither
         safetensors.numpy.save_file(to_nanochat_state_dict(model), staged.path(weights_path))
         with open(staged.path(meta_path), "w", encoding="utf-8") as f:
             f.write(meta_json)
@@ -158,7 +174,8 @@ def import_weights(weights_path: str, meta_path: str | None = None, tokenizer_pa
     return directory
 
 
-def export_hf(directory: str, model_tag: str | None, step: int | None, overwrite: bool, repo: str | None) -> None:
+def export_hf(directory: str, model_tag: str | None, step: int | None, overwrite: bool, repo: str | None,
+              private: bool) -> None:
     from jaxchat.hf_export import CHECK_TOLERANCE, export_to_hf, push_to_hub
 
     written, difference = export_to_hf(directory, model_tag, step, overwrite=overwrite)
@@ -167,7 +184,8 @@ def export_hf(directory: str, model_tag: str | None, step: int | None, overwrite
     print(f"Checked: transformers' logits equal jaxchat's within {difference:.2g} (bound {CHECK_TOLERANCE}), the same token ids")
     print(f"Load it: AutoModelForCausalLM.from_pretrained({directory!r}, trust_remote_code=True)")
     if repo:
-        print(f"Uploaded to {push_to_hub(directory, repo)}")
+        print(f"Uploaded the files above to {push_to_hub(written, repo, private)} "
+              f"({'private' if private else 'public'})")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -176,9 +194,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="write the model and tokenizer into this nanochat base directory (e.g. ~/.cache/nanochat)")
     parser.add_argument("--to-hf", type=str, default=None, metavar="DIR",
                         help="write a Hugging Face transformers directory (config, safetensors, modeling code, tokenizer)")
-    parser.add_argument("--overwrite", action="store_true", help="with --to-hf: replace an export already in DIR")
+    parser.add_argument("--overwrite", action="store_true", help="let an export replace files that are there already "
+                        "(never in the base dir's own folders)")
     parser.add_argument("--push-to-hub", type=str, default=None, metavar="REPO",
-                        help="with --to-hf: then upload DIR to this Hugging Face Hub model repository (huggingface-cli login first)")
+                        help="with --to-hf: then upload the files written to this Hugging Face Hub model repository, "
+                        "public unless --private (huggingface-cli login first)")
+    parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private "
+                        "(an existing public one is refused)")
     parser.add_argument("--model-tag", type=str, default=None, help="checkpoint directory name (default: the deepest d<N>)")
     parser.add_argument("--step", type=int, default=None, help="step to export (default: the newest complete one); "
                         "with --import: the step to file it under (default: the meta's)")
@@ -197,8 +219,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"{' and '.join(modes)} do not go together: export one way or import")
     if (args.meta or args.tokenizer) and not args.import_file:
         parser.error("--meta and --tokenizer are for --import")
-    if (args.overwrite or args.push_to_hub) and not args.to_hf:
-        parser.error("--overwrite and --push-to-hub are for --to-hf")
+    if args.push_to_hub and not args.to_hf:
+        parser.error("--push-to-hub is for --to-hf")
+    if args.private and not args.push_to_hub:
+        parser.error("--private is for --push-to-hub")
+    if args.overwrite and args.import_file:
+        parser.error("--overwrite is for the exports: --import never replaces a checkpoint")
 
     quiet_jax_warnings()
     try:
@@ -206,12 +232,12 @@ def main(argv: list[str] | None = None) -> None:
             directory = import_weights(args.import_file, args.meta, args.tokenizer, args.model_tag, args.step)
             print(f"Imported {args.import_file} into {directory}")
         elif args.to_hf:
-            export_hf(args.to_hf, args.model_tag, args.step, args.overwrite, args.push_to_hub)
+            export_hf(args.to_hf, args.model_tag, args.step, args.overwrite, args.push_to_hub, args.private)
         elif args.to_nanochat:
-            for path in export_to_nanochat(args.to_nanochat, args.model_tag, args.step):
+            for path in export_to_nanochat(args.to_nanochat, args.model_tag, args.step, overwrite=args.overwrite):
                 print(f"Wrote {path}")
         else:
-            for path in export_checkpoint(args.model_tag, args.step, args.output):
+            for path in export_checkpoint(args.model_tag, args.step, args.output, overwrite=args.overwrite):
                 print(f"Wrote {path}")
     except (ValueError, OSError, ImportError, CheckpointError) as e:
         fail(str(e))

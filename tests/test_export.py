@@ -32,7 +32,7 @@ from jaxchat.saved_model import load_model
 from jaxchat.checkpoint_meta import tokenizer_info
 from jaxchat.gpt import GPT, GPTConfig
 from jaxchat.interop import (NANOCHAT_META_KEYS, from_nanochat_state_dict, load_nanochat_tokenizer,
-                             to_nanochat_state_dict)
+                             save_nanochat_tokenizer, to_nanochat_state_dict)
 from jaxchat.tokenizer import SPECIAL_TOKENS, Tokenizer
 from scripts.export import export_checkpoint, export_to_nanochat, import_weights, main
 
@@ -252,10 +252,36 @@ def test_exported_tokenizer_is_nanochats_pickle_and_token_bytes(exported, tokeni
         assert ids == tokenizer.encode(text) and enc.decode(ids) == text
     assert [enc.encode_single_token(name) for name in SPECIAL_TOKENS] == list(range(VOCAB - len(SPECIAL_TOKENS), VOCAB))
 
-    # tok_train.py: UTF-8 length of each decoded token, 0 for the special ones
+    # bdcc030's tok_train.py: UTF-8 length of each decoded token, 0 for the special ones
     token_bytes = torch.load(nanochat_dir / "tokenizer" / "token_bytes.pt", map_location="cpu")
     expected = [0 if enc.decode([i]) in SPECIAL_TOKENS else len(enc.decode([i]).encode("utf-8")) for i in range(VOCAB)]
     assert token_bytes.dtype == torch.int32 and token_bytes.tolist() == expected
+
+
+@needs_torch
+def test_token_bytes_of_a_92d63d4_export_are_raw_bytes(tmp_path, tokenizer, config):
+    """92d63d4's tok_train.py counts decode_single_token_bytes: a byte of a multi-byte character is 1 byte,
+    not the 3 of U+FFFD that bdcc030's rule gives it (else nanochat's bits per byte on the export read low)."""
+    save_checkpoint(str(tmp_path / "jaxchat"), perturbed(dataclasses.replace(config, recipe="92d63d4"), seed=9), tokenizer)
+    export_to_nanochat(str(tmp_path / "nanochat"), base_dir=str(tmp_path / "jaxchat"))
+    with open(tmp_path / "nanochat" / "tokenizer" / "tokenizer.pkl", "rb") as f:
+        enc = pickle.load(f)
+    token_bytes = torch.load(tmp_path / "nanochat" / "tokenizer" / "token_bytes.pt", map_location="cpu")
+    special = set(enc.special_tokens_set)
+    expected = [0 if enc.decode([i]) in special else len(enc.decode_single_token_bytes(i)) for i in range(VOCAB)]
+    utf8 = [0 if enc.decode([i]) in special else len(enc.decode([i]).encode("utf-8")) for i in range(VOCAB)]
+    assert token_bytes.dtype == torch.int32 and token_bytes.tolist() == expected
+    assert sum(a != b for a, b in zip(expected, utf8)) >= 128  # the lone bytes 0x80-0xff at least: the rules differ
+
+    # the same tokenizer there already with bdcc030's token_bytes.pt (an export of before): kept, but its
+    # token_bytes.pt is the wrong one for this model, so it is named, and replaced only with overwrite
+    save_nanochat_tokenizer(tokenizer, str(tmp_path / "older" / "tokenizer"), recipe="bdcc030")
+    pickled = (tmp_path / "older" / "tokenizer" / "tokenizer.pkl").read_bytes()
+    with pytest.raises(FileExistsError, match=f"^{tmp_path / 'older' / 'tokenizer' / 'token_bytes.pt'} exists already"):
+        export_to_nanochat(str(tmp_path / "older"), base_dir=str(tmp_path / "jaxchat"))
+    export_to_nanochat(str(tmp_path / "older"), base_dir=str(tmp_path / "jaxchat"), overwrite=True)
+    assert torch.load(tmp_path / "older" / "tokenizer" / "token_bytes.pt").tolist() == expected
+    assert (tmp_path / "older" / "tokenizer" / "tokenizer.pkl").read_bytes() == pickled
 
 
 @needs_torch
@@ -489,8 +515,8 @@ def test_command_line_prints_its_own_lines_only(exported, tmp_path, capsys, monk
     with pytest.raises(SystemExit) as exit_info:
         main(["--to-nanochat", str(tmp_path / "nanochat")])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err == (f"error: {checkpoint_dir / 'model_000007.pt'} exists already: remove it, "
-                                       "or export into another nanochat base dir\n")
+    assert capsys.readouterr().err == (f"error: {checkpoint_dir / 'model_000007.pt'}, {checkpoint_dir / 'meta_000007.json'} "
+                                       "exist already: pass --overwrite to replace them, or export into another directory\n")
 
 
 def test_a_tag_with_no_checkpoint_is_one_error_line(tmp_path, monkeypatch, capsys):
@@ -502,3 +528,36 @@ def test_a_tag_with_no_checkpoint_is_one_error_line(tmp_path, monkeypatch, capsy
     assert capsys.readouterr().err == (f"error: No checkpoints at {tmp_path / 'base_checkpoints' / 'none_saved'} "
                                        f"(looked in the base directory {tmp_path}: from $JAXCHAT_BASE_DIR): "
                                        "train a model first (python -m scripts.train)\n")
+
+
+@needs_torch
+def test_no_export_replaces_a_file_or_writes_into_the_base_dirs_folders(tmp_path, tokenizer, config, monkeypatch, capsys):
+    """--to-nanochat and the safetensors export: a file there already (here one the user wrote: a meta without its
+    model) is refused without --overwrite, in one line that names it; the base dir's own folders always."""
+    base_dir = tmp_path / "jaxchat"
+    save_checkpoint(str(base_dir), perturbed(config, seed=10), tokenizer)
+    monkeypatch.setenv("JAXCHAT_BASE_DIR", str(base_dir))
+    meta = tmp_path / "nanochat" / "base_checkpoints" / TAG / f"meta_{STEP:06d}.json"
+    meta.parent.mkdir(parents=True)
+    meta.write_text("the user's")
+    output = base_dir / "nanochat_export" / TAG
+    (output / "model_000012.safetensors").parent.mkdir(parents=True)
+    (output / "model_000012.safetensors").write_text("the user's")
+    for argv, existing in ((["--to-nanochat", str(tmp_path / "nanochat")], meta),
+                           ([], output / "model_000012.safetensors")):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert capsys.readouterr().err == (f"error: {existing} exists already: pass --overwrite to replace it, "
+                                           "or export into another directory\n")
+        assert existing.read_bytes() == b"the user's"
+        main(argv + ["--overwrite"])
+        assert existing.read_bytes() != b"the user's"
+
+    # into the base dir itself (its base_checkpoints/ and tokenizer/), or a step directory of its run: never
+    before = files_under(base_dir)
+    for argv in (["--to-nanochat", str(base_dir)], ["--output", str(base_dir / "tokenizer")],
+                 ["--output", str(base_dir / "base_checkpoints" / TAG / str(STEP))]):
+        with pytest.raises(SystemExit):
+            main(argv + ["--overwrite"])
+        assert "one of jaxchat's own folders (jaxchat replaces or deletes what is there): export elsewhere" in capsys.readouterr().err
+    assert files_under(base_dir) == before

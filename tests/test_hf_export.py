@@ -5,10 +5,15 @@ Needs the hf extra (transformers, PyTorch, lm-eval): skipped without it; .ci/run
 jaxchat's GPT, itself checked against nanochat's maths in float64 (tests/nanochat_numpy.py); here the
 transformers model must give its numbers, for both recipes, with windows shorter than the sequence."""
 
+import base64
+import glob
+import http.server
+import json
 import os
 import re
 import shutil
 import sys
+import threading
 
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +27,7 @@ from test_export import TEXT, save_checkpoint  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from jaxchat import hf_modeling  # noqa: E402
+from jaxchat.hf_export import push_to_hub  # noqa: E402
 from jaxchat.core_eval import RowScorer, ScoredRows  # noqa: E402
 from jaxchat.gpt import GPTConfig  # noqa: E402
 from jaxchat.tokenizer import Tokenizer  # noqa: E402
@@ -151,20 +157,133 @@ def test_lm_eval_scores_as_jaxchat(exported, tokenizer):
     np.testing.assert_allclose(rolling, jaxchat_logprob(model, tokenizer, "", text), rtol=1e-5)
 
 
+class FakeHub(http.server.ThreadingHTTPServer):
+    """The Hub's routes that create_repo, repo_info and create_commit use (huggingface_hub 2.x), on 127.0.0.1:
+    repositories by id, each {"private": bool, "files": {path: bytes}} as committed. Every file is "regular"
+    (inline in the commit), so no LFS or Xet storage is involved."""
+
+    def __init__(self):
+        self.repos: dict[str, dict] = {}
+        self.unknown_routes: list[str] = []
+        super().__init__(("127.0.0.1", 0), FakeHubHandler)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class FakeHubHandler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args):  # quiet
+        pass
+
+    def reply(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        repo_id = self.path.split("?")[0].removeprefix("/api/models/")
+        if repo_id in self.server.repos:
+            return self.reply(200, {"id": repo_id, "private": self.server.repos[repo_id]["private"], "sha": "0" * 40})
+        self.reply(404, {"error": "Repository not found"})
+
+    def do_POST(self):
+        body, hub = self.rfile.read(int(self.headers["Content-Length"])), self.server
+        path = self.path.split("?")[0]
+        if path == "/api/repos/create":
+            request = json.loads(body)
+            repo_id = f"{request['organization']}/{request['name']}"
+            if repo_id in hub.repos:
+                return self.reply(409, {"error": "You already created this model repo", "url": f"{hub.endpoint}/{repo_id}"})
+            hub.repos[repo_id] = {"private": request.get("visibility", "public") == "private", "files": {}}
+            return self.reply(200, {"url": f"{hub.endpoint}/{repo_id}"})
+        if path == "/api/validate-yaml":
+            return self.reply(200, {})
+        match = re.fullmatch(r"/api/models/(.+)/(preupload|commit)/main", path)
+        if not match or match.group(1) not in hub.repos:
+            hub.unknown_routes.append(f"POST {self.path}")
+            return self.reply(404, {"error": "not a route of this fake hub"})
+        if match.group(2) == "preupload":
+            files = [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in json.loads(body)["files"]]
+            return self.reply(200, {"files": files})
+        for line in body.decode().splitlines():
+            item = json.loads(line)
+            if item["key"] == "file":
+                hub.repos[match.group(1)]["files"][item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+        self.reply(200, {"commitUrl": f"{hub.endpoint}/{match.group(1)}/commit/{'1' * 40}", "commitOid": "1" * 40})
+
+
+@pytest.fixture
+def fake_hub(monkeypatch, tmp_path):
+    """A FakeHub that huggingface_hub talks to, as with HF_ENDPOINT set (read once, at import), with a token."""
+    import huggingface_hub.constants
+
+    hub = FakeHub()
+    thread = threading.Thread(target=hub.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.endpoint)
+    monkeypatch.setenv("HF_TOKEN", "hf_fake_token_for_the_test")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    yield hub
+    hub.shutdown()
+    thread.join()
+    hub.server_close()
+    assert hub.unknown_routes == []
+
+
+def test_push_to_hub_is_public_unless_private_and_never_makes_public_a_private_push(fake_hub, tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    files = [str(tmp_path / "config.json")]
+    assert push_to_hub(files, "me/shared") == f"{fake_hub.endpoint}/me/shared"
+    assert fake_hub.repos["me/shared"] == {"private": False, "files": {"config.json": b"{}"}}
+    push_to_hub(files, "me/mine", private=True)
+    assert fake_hub.repos["me/mine"]["private"] is True
+    # --private on a repository that exists and is public: refused, nothing uploaded
+    (tmp_path / "config.json").write_text('{"new": 1}')
+    with pytest.raises(ValueError, match="me/shared exists already and is public: --private does not change it"):
+        push_to_hub(files, "me/shared", private=True)
+    assert fake_hub.repos["me/shared"]["files"] == {"config.json": b"{}"}
+
+
 @pytest.mark.parametrize("exported", ["92d63d4"], indirect=True)
-def test_an_export_is_replaced_only_with_overwrite(exported, tmp_path, monkeypatch, capsys):
+def test_an_export_is_replaced_only_with_overwrite(exported, tmp_path, monkeypatch, capsys, fake_hub):
     _, base_dir, out = exported
     monkeypatch.setenv("JAXCHAT_BASE_DIR", str(base_dir))
     before = {name: (out / name).read_bytes() for name in os.listdir(out)}
     with pytest.raises(SystemExit):
         export.main(["--to-hf", str(out)])
-    assert capsys.readouterr().err.strip().endswith("pass --overwrite to replace it, or export into another directory")
+    assert capsys.readouterr().err.strip().endswith("pass --overwrite to replace them, or export into another directory")
     assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
+    # a user's README.md in a directory with nothing else of an export: named, and kept
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "README.md").write_text("my notes")
+    with pytest.raises(SystemExit):
+        export.main(["--to-hf", str(mine)])
+    assert capsys.readouterr().err == (f"error: {mine / 'README.md'} exists already: pass --overwrite to replace it, "
+                                       "or export into another directory\n")
+    assert os.listdir(mine) == ["README.md"] and (mine / "README.md").read_text() == "my notes"
+    # the base dir's tokenizer (every run reads its tokenizer.json) and a step directory (deleted with its step):
+    # never, --overwrite or not
+    jaxchat_files = {path: open(path, "rb").read() for path in glob.glob(f"{base_dir}/**", recursive=True)
+                     if os.path.isfile(path)}
+    for inside in (base_dir / "tokenizer", base_dir / "base_checkpoints" / "d2" / "12"):
+        with pytest.raises(SystemExit):
+            export.main(["--to-hf", str(inside), "--overwrite"])
+        assert "one of jaxchat's own folders (jaxchat replaces or deletes what is there): export elsewhere" in capsys.readouterr().err
+    assert {path: open(path, "rb").read() for path in glob.glob(f"{base_dir}/**", recursive=True)
+            if os.path.isfile(path)} == jaxchat_files
+    # replaced with --overwrite, and pushed: the export's files only (not the .env beside them), private
     again = tmp_path / "again"
     shutil.copytree(out, again)
-    export.main(["--to-hf", str(again), "--overwrite"])
+    (again / ".env").write_text("HF_TOKEN=hf_secret")
+    export.main(["--to-hf", str(again), "--overwrite", "--push-to-hub", "me/jaxchat-d2", "--private"])
     assert "Checked: transformers' logits equal jaxchat's" in capsys.readouterr().out
-    assert {name: (again / name).read_bytes() for name in os.listdir(again)} == before  # the same files
+    assert {name: (again / name).read_bytes() for name in os.listdir(again) if name != ".env"} == before  # the same files
+    assert fake_hub.repos["me/jaxchat-d2"] == {"private": True, "files": before}
     # a model that is not jaxchat's (a soft cap of 14) fails the check: nothing is written
     monkeypatch.setattr(hf_modeling, "LOGIT_SOFTCAP", 14.0)
     with pytest.raises(SystemExit):
@@ -177,3 +296,12 @@ def test_an_export_is_replaced_only_with_overwrite(exported, tmp_path, monkeypat
         export.main(["--to-hf", str(tmp_path / "missing")])
     assert "pip install -e '.[hf]'" in capsys.readouterr().err
     assert not (tmp_path / "missing").exists()
+
+
+def test_every_file_of_the_export_has_a_new_files_mode(exported):
+    """The weights too (safetensors creates its file 0600): a group-shared directory reads them all."""
+    _, _, out = exported
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {name: oct(os.stat(out / name).st_mode & 0o777) for name in os.listdir(out)} == \
+        {name: oct(0o666 & ~umask) for name in os.listdir(out)}
