@@ -155,7 +155,7 @@ class StagedFiles:
 def _new_file_mode(directory: str) -> int:
     """The permission bits a file created in `directory` gets (0o666 less the umask, or its default ACL's),
     read from a real one: the umask cannot be read without setting it, which other threads would see."""
-    probe = os.path.join(directory, f".mode_test.{os.getpid()}.tmp")
+    probe = os.path.join(directory, f".mode_test.{os.getpid()}.{os.urandom(4).hex()}.tmp")  # not one a crash left
     fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
     try:
         return os.fstat(fd).st_mode & 0o7777
