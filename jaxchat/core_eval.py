@@ -34,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jinja2 import Template
 
 from jaxchat.common import Progress, eta_text, get_base_dir, print0
-from jaxchat.download import DownloadError, fetch
+from jaxchat.download import DownloadError, OfflineError, fetch
 from jaxchat.gpt import ROTARY_LENGTH_FACTOR
 from jaxchat.mesh import params_mesh, rows_partitioned
 
@@ -71,9 +71,10 @@ def download_eval_bundle(base_dir: str | None = None, url: str | None = None) ->
             print0(f"Downloading the CORE eval bundle from {url} to {bundle_dir}")
             try:
                 fetch(url, zip_path, label="eval bundle")
-            except DownloadError as e:
+            except DownloadError as e:  # (an OfflineError says the network is unreachable: not retried)
+                reason = e.reason if isinstance(e, OfflineError) else e.__cause__
                 raise RuntimeError(
-                    f"could not download the CORE eval bundle from {url} ({e.__cause__}). Without internet access, "
+                    f"could not download the CORE eval bundle from {url} ({reason}). Without internet access, "
                     f"fetch that file on another machine and unzip it into {base_dir}, so that "
                     f"{bundle_dir}/core.yaml exists.") from e
             with zipfile.ZipFile(zip_path) as archive:

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
         paths = local_corpus.write_shards(make_documents, args.data_dir, overwrite=args.overwrite, source=source_name,
                              chars_per_shard=args.chars_per_shard or chars_per_shard,
                              docs_per_row_group=args.docs_per_row_group or docs_per_row_group)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, download.OfflineError) as e:
         sys.exit(f"error: {e}")
     with open(os.path.join(os.path.dirname(paths[0]), CORPUS_INFO_FILE)) as f:
         info = json.load(f)

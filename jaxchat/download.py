@@ -5,8 +5,10 @@ progress line), and a corpus's shards (jaxchat.shards.CORPORA: FineWeb-Edu, Clim
   python -m jaxchat.dataset -n 8 --corpus climbmix   8 ClimbMix training shards and its validation shard
 """
 
+import errno
 import http.client
 import os
+import socket
 import tempfile
 import threading
 import time
@@ -24,6 +26,26 @@ BASE_URL_ENV = "JAXCHAT_DATA_URL"  # a mirror, or a local server in the tests
 
 class DownloadError(RuntimeError):
     pass
+
+
+class OfflineError(DownloadError):
+    """The host's name did not resolve, or no route leads to it: this machine is offline (or the address is
+    wrong). Not retried: minutes of back-off would not bring a network back. reason: that, in words."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def _offline_reason(error: Exception) -> str | None:
+    """Why error says the network cannot be reached ('cannot resolve HOST', 'network unreachable'), or None.
+    urllib wraps the resolver's socket.gaierror, or connect()'s ENETUNREACH/EHOSTUNREACH, in a URLError."""
+    reason = error.reason if isinstance(error, urllib.error.URLError) else error
+    if isinstance(reason, socket.gaierror):
+        return f"cannot resolve the host name ({reason.strerror or reason})"
+    if isinstance(reason, OSError) and reason.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH):
+        return f"no route to the host ({reason.strerror})"
+    return None
 
 
 def _is_permanent(error: Exception) -> bool:
@@ -56,7 +78,8 @@ def fetch(url: str, path: str, *, check: Callable[[str], object] = lambda path: 
     reject (raising ValueError or OSError) and which is renamed to path only once it passed, so a failure
     never leaves a partial file behind. Server errors, network errors and rejected files are retried after
     backoff_s * 2^k seconds; a 4xx (but 408/429) or a refused connection is not. DownloadError (from the
-    last attempt's error) when every attempt failed.
+    last attempt's error) when every attempt failed; OfflineError at once when the host cannot be reached at
+    all (its name does not resolve, no route to it).
     Progress: on_bytes(chunk size) for a caller that shows many files at once; without it, a status line
     for this file. Retries are announced through log (default: that status line's Progress)."""
     label = label or os.path.basename(path)
@@ -92,6 +115,11 @@ def fetch(url: str, path: str, *, check: Callable[[str], object] = lambda path: 
         finally:
             if os.path.exists(tmp_path):
                 os.remove(tmp_path)
+        if (offline := _offline_reason(error)) is not None:
+            if progress:
+                progress.close(f"{label}: failed")
+            offline += "; the network is unreachable from this machine, or the address is wrong"
+            raise OfflineError(f"could not download {url}: {offline}", offline) from error
         if attempt == max_attempts or _is_permanent(error):
             break
         wait_s = backoff_s * 2 ** (attempt - 1)
@@ -136,7 +164,8 @@ def shards_to_fetch(num_files: int, corpus: str = DEFAULT_CORPUS) -> list[int]:
 def download_shards(num_files: int, data_dir: str | None = None, base_url: str | None = None,
                     num_workers: int = 4, corpus: str = DEFAULT_CORPUS, **fetch_kwargs) -> list[str]:
     """Download the shards of `-n num_files` (shards_to_fetch) of a corpus on num_workers threads, into
-    data_dir (default: the corpus's own). Returns the names that failed."""
+    data_dir (default: the corpus's own). Returns the names that failed; OfflineError (after every worker has
+    tried once) when the source cannot be reached at all, with what to do offline."""
     data_dir = get_data_dir(data_dir, corpus)
     base_url = base_url or os.environ.get(BASE_URL_ENV) or get_corpus(corpus).base_url
     os.makedirs(data_dir, exist_ok=True)
@@ -148,7 +177,7 @@ def download_shards(num_files: int, data_dir: str | None = None, base_url: str |
     progress = Progress()
     progress.line(f"{count} shards from {base_url} into {data_dir} with {num_workers} workers")
     lock = threading.Lock()
-    tally = {"bytes": 0, "finished": 0, "failed": []}
+    tally = {"bytes": 0, "finished": 0, "failed": [], "offline": None}
     start = time.monotonic()
 
     def show_status(force: bool = False) -> None:
@@ -174,6 +203,8 @@ def download_shards(num_files: int, data_dir: str | None = None, base_url: str |
         except DownloadError as e:
             with lock:
                 tally["failed"].append(name)
+                if isinstance(e, OfflineError):
+                    tally["offline"] = e
             progress.line(f"{name}: FAILED: {e}")
         with lock:
             tally["finished"] += 1
@@ -184,4 +215,9 @@ def download_shards(num_files: int, data_dir: str | None = None, base_url: str |
     failed = sorted(tally["failed"])
     progress.close(f"done: {count - len(failed)}/{count} shards in {data_dir}, {tally['bytes'] / 1e6:,.1f} MB "
                    f"downloaded in {time.monotonic() - start:.1f}s")
+    if tally["offline"] is not None:
+        raise OfflineError(
+            f"{tally['offline']}. Offline, build shards from text on this machine instead: python -m jaxchat.dataset "
+            f"--builtin (Python's own documentation) or --from-text PATH; or copy shards into {data_dir}, or "
+            f"download from a mirror you can reach (--base-url, ${BASE_URL_ENV})", tally["offline"].reason) from tally["offline"]
     return failed

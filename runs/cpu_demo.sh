@@ -93,5 +93,6 @@ The demo's model, tokenizer, data and report are in $JAXCHAT_BASE_DIR; every oth
 $base python -m scripts.sample -p "The module"
 $base python -m scripts.base_loss --device-batch-size=$DEVICE_BATCH --split-tokens=$EVAL_TOKENS
 $base python -m scripts.base_eval --max-per-task=100   # CORE: downloads DCLM's 162 MB eval bundle first
-$base python -m scripts.export --to-nanochat $(printf %q "$JAXCHAT_BASE_DIR/nanochat")   # nanochat's .pt needs PyTorch: pip install -e '.[nanochat]'
+pip install torch --index-url https://download.pytorch.org/whl/cpu   # PyTorch's CPU build (0.7 GB installed), for nanochat's .pt files
+$base python -m scripts.export --to-nanochat $(printf %q "$JAXCHAT_BASE_DIR/nanochat")
 NEXT

@@ -16,6 +16,9 @@ and the same for a TPU slice (the `tpu` extra: libtpu; splash attention's kernel
     python -m scripts.gpu_check --compile-only --target v6e:2x4 [--depth 20 --device-batch-size 16 ...]
 
 Every flag of scripts.train (jaxchat.settings) is a flag of --compile-only (--remat, --window-pattern, ...).
+The report (JSON) and the optimised HLO files beside it go to --json, by default under
+<base_dir>/gpu_check/: gpu_check.json, or compile_only_<target>.json (compile_only_h100.json,
+compile_only_v6e-2x4.json), so that one target's files never replace another's.
 
 Each measurement runs in a process of its own, in this order (the first answers whether d20 fits):
   environment   JAX, jaxlib, the devices and their memory, the XLA flags in effect
@@ -459,9 +462,19 @@ def run_compile_only(args) -> int:
     return 1 if failed or over else 0
 
 
+def default_report_path(args) -> str:
+    """<base_dir>/gpu_check/<mode and target>.json: not the current directory (a checkout's root), and a TPU
+    target's compile never overwrites an H100 one's (the HLO files are named after the report)."""
+    from jaxchat.common import get_base_dir
+
+    name = f"compile_only_{args.target.replace(':', '-')}" if args.compile_only else "gpu_check"
+    return os.path.join(get_base_dir(), "gpu_check", f"{name}.json")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", default="gpu_check.json", help="the report, rewritten after each measurement")
+    parser.add_argument("--json", default=None, help="the report, rewritten after each measurement, the HLO files "
+                        "beside it (default: <base_dir>/gpu_check/, one name per mode and target)")
     parser.add_argument("--budget-s", type=float, default=480.0, help="seconds for all measurements: what will "
                         "not fit in the time left is skipped")
     parser.add_argument("--only", nargs="+", choices=[item.name for item in ITEMS], default=None,
@@ -488,6 +501,9 @@ def main(argv: list[str] | None = None) -> None:
 
     add_setting_flags(parser)  # scripts.train's; --device-batch-size also sizes the d12/d20 steps of a GPU run
     args = parser.parse_args(argv)
+    if args.json is None and not args.item:
+        args.json = default_report_path(args)
+        print(f"The report goes to {args.json} (--json to choose)", flush=True)
     if args.json:
         try:
             make_parent_dir(args.json)

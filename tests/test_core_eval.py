@@ -7,6 +7,7 @@ import json
 import math
 import os
 import random
+import socket
 import threading
 import zipfile
 
@@ -403,6 +404,22 @@ def test_download_offline_says_what_to_do(tmp_path, monkeypatch):
         download_eval_bundle(str(tmp_path / "base"), f"http://127.0.0.1:{port}/eval_bundle.zip")
     assert sleeps == []  # nothing listens there: a refused connection is not retried
     assert not os.path.exists(tmp_path / "base" / "eval_bundle")
+
+
+def test_download_without_dns_is_not_retried(tmp_path, monkeypatch):
+    """An offline machine's resolver fails (simulated: a test reaches no network); that was retried with back-off
+    for 30 s. Now one attempt and the same advice, saying the network is unreachable."""
+    sleeps, attempts = [], []
+    monkeypatch.setattr(download.time, "sleep", sleeps.append)
+
+    def no_dns(request, timeout):
+        attempts.append(request.full_url)
+        raise download.urllib.error.URLError(socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution"))
+
+    monkeypatch.setattr(download.urllib.request, "urlopen", no_dns)
+    with pytest.raises(RuntimeError, match="cannot resolve the host name.*network is unreachable.*unzip it into "):
+        download_eval_bundle(str(tmp_path / "base"), "https://bundles.example/eval_bundle.zip")
+    assert attempts == ["https://bundles.example/eval_bundle.zip"] and sleeps == []
 
 
 def test_download_of_something_else_is_refused(tmp_path):

@@ -238,6 +238,30 @@ def test_a_refused_connection_is_not_retried(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("reason", [socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution"),
+                                    OSError(101, "Network is unreachable")])
+def test_an_offline_machine_is_told_so_at_once(tmp_path, monkeypatch, reason):
+    """No network: urllib's URLError around the resolver's gaierror (no DNS) or connect()'s ENETUNREACH, as an
+    offline machine gets them (simulated: a test reaches no network). One attempt per shard, no back-off, and
+    one line that says the network is unreachable and what to do offline instead of 'run the same command'."""
+    attempts, sleeps = [], []
+
+    def offline(request, timeout):
+        attempts.append(request.full_url)
+        raise download.urllib.error.URLError(reason)
+
+    monkeypatch.setattr(download.urllib.request, "urlopen", offline)
+    monkeypatch.setattr(download.time, "sleep", sleeps.append)
+    with pytest.raises(SystemExit) as stopped:
+        dataset.main(["-n", "2", "--data-dir", str(tmp_path), "--base-url", "http://shards.example"])
+    message = str(stopped.value)
+    assert message.startswith("error: could not download http://shards.example/shard_0000") and "\n" not in message
+    assert "the network is unreachable" in message and "python -m jaxchat.dataset --builtin" in message
+    assert "same command" not in message
+    assert len(attempts) == 2 and sleeps == []  # each shard tried once
+    assert os.listdir(tmp_path) == []
+
+
 def test_complete_files_are_skipped_and_broken_ones_fetched_again(server, tmp_path, capsys):
     make_shards(tmp_path, 1)  # a complete shard 0 (different content from the server's)
     local_copy = (tmp_path / shard_filename(0)).read_bytes()

@@ -2,6 +2,7 @@
 its measurements for real: one process each, the report rewritten after each, cuDNN's failure recorded
 and the rest still measured, and what does not fit the budget skipped."""
 
+import argparse
 import gzip
 import json
 import os
@@ -99,6 +100,18 @@ def test_a_report_folder_that_cannot_be_made_gets_one_line(tmp_path, capsys):
     assert stopped.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --json ") and "is a file, not a directory" in err and err.count("\n") == 1, err
+
+
+def test_reports_go_under_the_base_dir_one_per_target(tmp_path, monkeypatch):
+    """Without --json: not the current directory (a checkout's root), and a TPU compile never replaces an H100
+    one's files (the HLO files are named after the report)."""
+    from scripts.gpu_check import default_report_path
+
+    monkeypatch.setenv("JAXCHAT_BASE_DIR", str(tmp_path))
+    paths = {default_report_path(argparse.Namespace(compile_only=compile_only, target=target))
+             for compile_only, target in [(True, "h100"), (True, "v6e:2x4"), (True, "v5e:4x8"), (False, "h100")]}
+    assert paths == {str(tmp_path / "gpu_check" / name) for name in
+                     ("compile_only_h100.json", "compile_only_v6e-2x4.json", "compile_only_v5e-4x8.json", "gpu_check.json")}
 
 
 def test_compile_only_says_what_to_install(tmp_path, environment):
