@@ -139,7 +139,7 @@ def model_card(meta: dict, model_tag: str) -> str:
         lines.append(f"Validation bits per byte: {meta['val_bpb']:.4f}.")
     lines += ["", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
               "model = AutoModelForCausalLM.from_pretrained(PATH, trust_remote_code=True)",
-              "tokenizer = AutoTokenizer.from_pretrained(PATH)  # BOS first, as in training",
+              "tokenizer = AutoTokenizer.from_pretrained(PATH, trust_remote_code=True)  # BOS first, as in training",
               "ids = tokenizer('The capital of France is', return_tensors='pt')",
               "print(tokenizer.decode(model.generate(**ids, max_new_tokens=16, do_sample=False)[0]))", "```", ""]
     return "\n".join(lines)
