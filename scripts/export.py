@@ -40,9 +40,9 @@ import os
 import safetensors.numpy
 from flax import nnx
 
-from jaxchat.checkpoint import RunCheckpoints
+from jaxchat.checkpoint import RunCheckpoints, checkpoint_dir
 from jaxchat.checkpoint_meta import (CHECKPOINTS_SUBDIR, TOKENIZER_SUBDIR, TRAINING_META_KEYS, CheckpointError,
-                                     default_model_tag, nanochat_files, tokenizer_info)
+                                     model_tag_flag, nanochat_files, tokenizer_info)
 from jaxchat.common import fail, get_base_dir, quiet_jax_warnings
 from jaxchat.interop import (TOKEN_BYTES_PT, TOKENIZER_PICKLE, config_from_nanochat_meta, from_nanochat_state_dict,
                              load_nanochat_state_dict, load_nanochat_tokenizer, nanochat_meta, nanochat_tokenizer_path,
@@ -136,7 +136,7 @@ def import_weights(weights_path: str, meta_path: str | None = None, tokenizer_pa
         keep_tokenizer = _holds_tokenizer(existing, tokenizer, tokenizer_dir,
                                           "import into another base dir ($JAXCHAT_BASE_DIR), or move that tokenizer away")
 
-    directory = os.path.join(base_dir, CHECKPOINTS_SUBDIR, model_tag or default_model_tag(config.n_layer))
+    directory = checkpoint_dir(model_tag, config.n_layer, base_dir)
     for target in [directory] + ([tokenizer_dir] if tokenizer is not None and not keep_tokenizer else []):
         check_writable_dir(target)  # an unwritable place stops the import here, before the tokenizer is written
     kept = [key for key in TRAINING_META_KEYS if key not in ("model_config", "tokenizer")] + ["total_batch_size"]  # 92d63d4's
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--overwrite", action="store_true", help="with --to-hf: replace an export already in DIR")
     parser.add_argument("--push-to-hub", type=str, default=None, metavar="REPO",
                         help="with --to-hf: then upload DIR to this Hugging Face Hub model repository (huggingface-cli login first)")
-    parser.add_argument("--model-tag", type=str, default=None, help="checkpoint directory name (default: the deepest d<N>)")
+    parser.add_argument("--model-tag", type=model_tag_flag, default=None, help="checkpoint directory name (default: the deepest d<N>)")
     parser.add_argument("--step", type=int, default=None, help="step to export (default: the newest complete one); "
                         "with --import: the step to file it under (default: the meta's)")
     parser.add_argument("--output", type=str, default=None,
