@@ -47,7 +47,8 @@ from jaxchat.checkpoint_damage import (error_reason, is_damage, read_step_meta, 
                                        unreadable)
 from jaxchat.checkpoint_meta import (CHECKPOINTS_SUBDIR, LATEST, TRAINING_META_KEYS, CheckpointError,
                                      CheckpointMismatchError, IncompleteCheckpointError, NoCheckpointError,
-                                     SaveFailedError, StepUnreadableError, check_compatible, default_model_tag)
+                                     SaveFailedError, StepUnreadableError, check_compatible, check_model_tag,
+                                     default_model_tag)
 from jaxchat.common import get_base_dir, key_name, print0
 from jaxchat.gpt import GPTConfig
 from jaxchat.multihost import decided_by_process_0, gathered
@@ -61,8 +62,10 @@ SHARED_ERRORS = (CheckpointError,)
 # ---- paths and checks before training ------------------------------------------------------------
 
 def checkpoint_dir(model_tag: str | None, depth: int, base_dir: str | None = None) -> str:
-    """`<base_dir>/base_checkpoints/<model_tag or d{depth}>`, as nanochat."""
-    return os.path.join(base_dir or get_base_dir(), CHECKPOINTS_SUBDIR, model_tag or default_model_tag(depth))
+    """`<base_dir>/base_checkpoints/<model_tag or d{depth}>`, as nanochat. A tag that is not one safe directory
+    name (check_model_tag) raises ValueError: no caller writes outside base_checkpoints/."""
+    tag = default_model_tag(depth) if model_tag is None else check_model_tag(model_tag)
+    return os.path.join(base_dir or get_base_dir(), CHECKPOINTS_SUBDIR, tag)
 
 
 def check_writable(directory: str, bytes_needed: int = 0) -> None:

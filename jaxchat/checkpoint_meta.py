@@ -8,6 +8,7 @@ or grain).
     <nanochat_dir>/base_checkpoints/<model_tag>/model_<step:06d>.pt, meta_<step:06d>.json    nanochat
 """
 
+import argparse
 import dataclasses
 import hashlib
 import json
@@ -71,6 +72,27 @@ def parse_resume_step(text: str) -> int | str:
 def default_model_tag(depth: int) -> str:
     """The run directory's name when --model-tag is not given (as base_train.py)."""
     return f"d{depth}"
+
+
+# A model tag names one directory under base_checkpoints/ (and the report's curve, the profiles, the eval CSVs):
+# one path component of safe characters, so that no tag ('../x', '/abs', 'a/b') writes outside those folders.
+MODEL_TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def check_model_tag(tag: str) -> str:
+    """`tag` if it is a valid model tag, else ValueError saying what one is."""
+    if not isinstance(tag, str) or not MODEL_TAG.fullmatch(tag):
+        raise ValueError(f"model tag {tag!r} is not one directory name: use letters, digits, '.', '_' and '-', "
+                         "starting with a letter or digit, at most 128 characters (e.g. d20, d20-long_run.2)")
+    return tag
+
+
+def model_tag_flag(text: str) -> str:
+    """argparse type of every script's --model-tag: check_model_tag, as argparse's one-line error."""
+    try:
+        return check_model_tag(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def nanochat_files(step: int, weights_ext: str = "pt") -> tuple[str, str]:

@@ -2,7 +2,9 @@
 
 Each stage writes its own section (`get_report().log(section, data)`): <slug>.md to read and <slug>.json
 with the same data, from which the summary is built. Training also appends its loss and validation bpb to
-training_curve.csv as it goes, so a resumed run continues the curve.
+its run's own curve, training_curve_<model tag>.csv, as it goes: a resumed run continues its curve, and a
+run under another model tag leaves it alone. `generate` draws the curve of the run that wrote the base
+training section.
 
     python -m jaxchat.report reset       start a new report: clear the sections, log the system section
     python -m jaxchat.report generate    assemble report.md: summary table, curve (PNG), system, stages
@@ -30,9 +32,15 @@ def slugify(section: str) -> str:
 
 TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 REPORT_FILE = "report.md"
-CURVE_CSV = "training_curve.csv"
-CURVE_PNG = "training_curve.png"
+CURVE_PREFIX = "training_curve"
 CURVE_FIELDS = ("step", "train_loss", "val_bpb")
+
+
+def curve_file(model_tag: str, ext: str = "csv") -> str:
+    """The name of a run's curve in the report directory: training_curve_<model tag>.csv (the data) or .png."""
+    return f"{CURVE_PREFIX}_{model_tag}.{ext}"
+
+
 class Section:
     """The sections the scripts log, in the order a run goes through them."""
 
@@ -175,8 +183,11 @@ def system_info() -> dict[str, str]:
 
 
 class Report:
-    def __init__(self, report_dir: str):
-        self.report_dir = report_dir
+    """The report in `report_dir`, as the run `model_tag` writes it (scripts.train: its curve, and the tag in
+    the records of its sections), or as any other stage does (model_tag None)."""
+
+    def __init__(self, report_dir: str, model_tag: str | None = None):
+        self.report_dir, self.model_tag = report_dir, model_tag
         os.makedirs(report_dir, exist_ok=True)
 
     def path(self, name: str) -> str:
@@ -185,12 +196,15 @@ class Report:
     def log(self, section: str, data: list[dict | str]) -> str:
         """Write one section: a list of dicts (rendered as `- key: value` lines) and markdown strings, as
         <slug>.md and as the record {section, timestamp, data} in <slug>.json (values that JSON cannot hold
-        as strings). A stage that runs again replaces its section."""
+        as strings), with the model tag of a run's report. A stage that runs again replaces its section."""
         data = [{key: _plain(value) for key, value in item.items()} if isinstance(item, dict) else item
                 for item in data]
         timestamp = f"{datetime.datetime.now():{TIME_FORMAT}}"
+        record = {"section": section, "timestamp": timestamp, "data": data}
+        if self.model_tag is not None:
+            record["model_tag"] = self.model_tag
         with open(self.path(f"{slugify(section)}.json"), "w", encoding="utf-8") as f:
-            json.dump({"section": section, "timestamp": timestamp, "data": data}, f, indent=1, default=str)
+            json.dump(record, f, indent=1, default=str)
         lines = [f"## {section}", f"timestamp: {timestamp}", ""]
         for item in data:
             if isinstance(item, dict):
@@ -206,12 +220,17 @@ class Report:
 
     # -- the training curve --------------------------------------------------------
 
+    def _run_curve(self) -> str:
+        if self.model_tag is None:
+            raise ValueError("only a run's report has a curve: get_report(model_tag=...)")
+        return self.path(curve_file(self.model_tag))
+
     def append_curve(self, rows: Iterable[tuple[int, float | None, float | None]]) -> None:
-        """Append (step, train loss, val bpb) rows to training_curve.csv (None: not measured at that step)."""
+        """Append (step, train loss, val bpb) rows to this run's curve (None: not measured at that step)."""
         rows = list(rows)
         if not rows:
             return
-        path = self.path(CURVE_CSV)
+        path = self._run_curve()
         new_file = not os.path.exists(path)
         with open(path, "a", newline="", encoding="utf-8") as f:
             writer = csv.writer(f)
@@ -221,18 +240,19 @@ class Report:
                              for step, loss, bpb in rows)
 
     def clear_curve(self) -> None:
-        """A fresh training run starts a new curve."""
-        for name in (CURVE_CSV, CURVE_PNG):
-            if os.path.exists(self.path(name)):
-                os.remove(self.path(name))
+        """A fresh training run starts a new curve (of its model tag: other runs' curves stay)."""
+        for path in (self._run_curve(), self.path(curve_file(self.model_tag, "png"))):
+            if os.path.exists(path):
+                os.remove(path)
 
-    def read_curve(self) -> tuple[dict[int, float], dict[int, float]]:
-        """Train loss and val bpb by step. A resumed run rewrites the steps after its checkpoint, and
-        the newest row of a step wins."""
+    def read_curve(self, model_tag: str) -> tuple[dict[int, float], dict[int, float]]:
+        """Train loss and val bpb by step of a run's curve. A resumed run rewrites the steps after its
+        checkpoint, and the newest row of a step wins."""
         train, val = {}, {}
-        if not os.path.exists(self.path(CURVE_CSV)):
+        path = self.path(curve_file(model_tag))
+        if not os.path.exists(path):
             return train, val
-        with open(self.path(CURVE_CSV), newline="", encoding="utf-8") as f:
+        with open(path, newline="", encoding="utf-8") as f:
             for row in csv.DictReader(f):
                 step = int(row["step"])
                 if row["train_loss"]:
@@ -241,9 +261,10 @@ class Report:
                     val[step] = float(row["val_bpb"])
         return dict(sorted(train.items())), dict(sorted(val.items()))
 
-    def plot_curve(self) -> str | None:
-        """Draw training_curve.png (train loss and val bpb against the step); None if nothing was logged."""
-        train, val = self.read_curve()
+    def plot_curve(self, model_tag: str) -> str | None:
+        """Draw a run's curve, training_curve_<model tag>.png (train loss and val bpb against the step); None if
+        nothing was logged."""
+        train, val = self.read_curve(model_tag)
         if not train and not val:
             return None
         import matplotlib
@@ -259,9 +280,10 @@ class Report:
         for ax in (ax_loss, ax_bpb):
             ax.grid(alpha=0.3)
         fig.tight_layout()
-        fig.savefig(self.path(CURVE_PNG), dpi=110)
+        path = self.path(curve_file(model_tag, "png"))
+        fig.savefig(path, dpi=110)
         plt.close(fig)
-        return self.path(CURVE_PNG)
+        return path
 
     # -- assembling ----------------------------------------------------------------
 
@@ -305,8 +327,9 @@ class Report:
             parts += ["| figure | value |", "| --- | --- |", *(f"| {label} | {value} |" for label, value in rows)]
         else:
             parts.append("(no stage has written its section yet)")
-        if self.plot_curve():
-            parts += ["", f"![training loss and validation bpb]({CURVE_PNG})"]
+        trained = self.records().get(slugify(Section.BASE_TRAINING), {}).get("model_tag")
+        if trained is not None and self.plot_curve(trained):  # the curve of the run whose section this is
+            parts += ["", f"![training loss and validation bpb of {trained}]({curve_file(trained, 'png')})"]
         parts.append("")
         if not os.path.exists(self.path(f"{slugify(Section.SYSTEM)}.md")):
             parts += ["## System", "(no `python -m jaxchat.report reset` before this run: taken now)", "",
@@ -319,16 +342,17 @@ class Report:
         return self.path(REPORT_FILE)
 
     def reset(self) -> None:
-        """Start a new report: remove every section, the curve and report.md, and log the system section
-        (its timestamp starts the wall clock)."""
+        """Start a new report: remove every section, every run's curve and report.md, and log the system
+        section (its timestamp starts the wall clock)."""
         for name in os.listdir(self.report_dir):
-            if name.endswith((".md", ".json")) or name in (CURVE_CSV, CURVE_PNG):
+            if name.endswith((".md", ".json")) or (name.startswith(CURVE_PREFIX) and name.endswith((".csv", ".png"))):
                 os.remove(self.path(name))
         self.log(Section.SYSTEM, [system_info()])
 
 
-def get_report(base_dir: str | None = None) -> Report:
-    return Report(os.path.join(base_dir or get_base_dir(), "report"))
+def get_report(base_dir: str | None = None, model_tag: str | None = None) -> Report:
+    """<base_dir>/report, as the run `model_tag` writes it (None: any other stage)."""
+    return Report(os.path.join(base_dir or get_base_dir(), "report"), model_tag)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,7 +6,8 @@ import argparse
 import dataclasses
 import os
 
-from jaxchat.checkpoint_meta import CHECKPOINTS_SUBDIR, CheckpointError, CheckpointMismatchError, NoCheckpointError
+from jaxchat.checkpoint_meta import (CHECKPOINTS_SUBDIR, CheckpointError, CheckpointMismatchError, NoCheckpointError,
+                                     check_model_tag, model_tag_flag)
 from jaxchat.common import PlatformError
 
 # What loading can fail with, each message saying what to do: a script prints it and exits
@@ -14,7 +15,7 @@ LOAD_ERRORS: tuple[type[Exception], ...] = (FileNotFoundError, PlatformError, Ch
 
 
 def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model-tag", type=str, default=None,
+    parser.add_argument("--model-tag", type=model_tag_flag, default=None,
                         help="checkpoint directory under <base_dir>/base_checkpoints (default: the deepest d<N> "
                              "that holds a model)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest complete one)")
@@ -62,7 +63,8 @@ def load_model(model_tag: str | None = None, step: int | None = None, base_dir: 
     from jaxchat.mesh import make_mesh, replicated
 
     model_tag = model_tag or find_model_tag(base_dir)
-    with RunCheckpoints(os.path.join(base_dir or get_base_dir(), CHECKPOINTS_SUBDIR, model_tag), read_only=True) as ckpt:
+    directory = os.path.join(base_dir or get_base_dir(), CHECKPOINTS_SUBDIR, check_model_tag(model_tag))
+    with RunCheckpoints(directory, read_only=True) as ckpt:
         if step is None:
             step = ckpt.latest_step()
             if step is None:

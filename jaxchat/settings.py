@@ -15,7 +15,7 @@ import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxchat.checkpoint_meta import LATEST, parse_resume_step
+from jaxchat.checkpoint_meta import LATEST, check_model_tag, parse_resume_step
 from jaxchat.fp8 import RECIPES as FP8_RECIPES
 from jaxchat.mesh import HEARTBEAT_TIMEOUT_S
 from jaxchat.profiling import ProfileStepsError, parse_profile_steps
@@ -207,6 +207,11 @@ class RunSettings:
             auto = [name for name, recipe in RECIPES.items() if recipe.auto_batch]
             raise SettingsError(f"--total-batch-size must be a positive number of tokens, got {self.total_batch_size} "
                                 f"(-1, automatic, is a setting of recipe(s) {', '.join(auto)} only)")
+        if self.model_tag is not None:
+            try:
+                check_model_tag(self.model_tag)
+            except ValueError as e:
+                raise SettingsError(f"--model-tag: {e}") from None
         if self.warmup_steps < 0:
             raise SettingsError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         if self.num_iterations == self.target_flops == self.target_param_data_ratio == -1:

@@ -154,8 +154,8 @@ class StepLogger:
         self.last_done = time.perf_counter()
 
     def write_curve(self, report) -> None:
-        """Append the new rows to <base_dir>/report/training_curve.csv (at evals and saves, so the curve on
-        disk always reaches the newest checkpoint and a resumed run carries it on)."""
+        """Append the new rows to the run's <base_dir>/report/training_curve_<tag>.csv (at evals and saves, so
+        the curve on disk always reaches the newest checkpoint and a resumed run carries it on)."""
         if report is not None:
             report.append_curve(self.curve)
         self.curve.clear()

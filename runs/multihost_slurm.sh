@@ -32,6 +32,11 @@
 # --resume-from-step=latest continues from it. A task that dies makes the others exit with 69 within
 # seconds (jaxchat/train_loop.py's EXIT_PEER_LOST), or 134 once the heartbeat timeout passes where no
 # collective reports it: the job requeues itself (below), and the requeued job resumes exactly.
+# The run directory's lock (jaxchat/run_lock.py) does not stop a requeued job: NFS keeps the flock of a node
+# that died until the server's lease ends, so process 0 takes over a lock whose holder was an earlier start of
+# this job (same SLURM_JOB_ID, smaller SLURM_RESTART_COUNT), or whose heartbeat (renewed every 30 s) is over
+# 300 s old, and says so in one line. A run whose lock was taken over so stops at its next heartbeat, without
+# saving, with status 2 (as a start refused because another run holds the directory).
 set -euo pipefail
 cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
 

@@ -45,9 +45,9 @@ import os
 import safetensors.numpy
 from flax import nnx
 
-from jaxchat.checkpoint import RunCheckpoints
+from jaxchat.checkpoint import RunCheckpoints, checkpoint_dir
 from jaxchat.checkpoint_meta import (CHECKPOINTS_SUBDIR, TOKENIZER_SUBDIR, TRAINING_META_KEYS, CheckpointError,
-                                     default_model_tag, nanochat_files, tokenizer_info)
+                                     model_tag_flag, nanochat_files, tokenizer_info)
 from jaxchat.common import fail, get_base_dir, quiet_jax_warnings
 from jaxchat.interop import (TOKEN_BYTES_PT, TOKENIZER_PICKLE, config_from_nanochat_meta, from_nanochat_state_dict,
                              holds_nanochat_token_bytes, jaxchat_folders, load_nanochat_state_dict, load_nanochat_tokenizer, nanochat_meta,
@@ -152,7 +152,7 @@ def import_weights(weights_path: str, meta_path: str | None = None, tokenizer_pa
         keep_tokenizer = _holds_tokenizer(existing, tokenizer, tokenizer_dir,
                                           "import into another base dir ($JAXCHAT_BASE_DIR), or move that tokenizer away")
 
-    directory = os.path.join(base_dir, CHECKPOINTS_SUBDIR, model_tag or default_model_tag(config.n_layer))
+    directory = checkpoint_dir(model_tag, config.n_layer, base_dir)
     for target in [directory] + ([tokenizer_dir] if tokenizer is not None and not keep_tokenizer else []):
         check_writable_dir(target)  # an unwritable place stops the import here, before the tokenizer is written
     kept = [key for key in TRAINING_META_KEYS if key not in ("model_config", "tokenizer")] + ["total_batch_size"]  # 92d63d4's
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
                         "public unless --private (huggingface-cli login first)")
     parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private "
                         "(an existing public one is refused)")
-    parser.add_argument("--model-tag", type=str, default=None, help="checkpoint directory name (default: the deepest d<N>)")
+    parser.add_argument("--model-tag", type=model_tag_flag, default=None, help="checkpoint directory name (default: the deepest d<N>)")
     parser.add_argument("--step", type=int, default=None, help="step to export (default: the newest complete one); "
                         "with --import: the step to file it under (default: the meta's)")
     parser.add_argument("--output", type=str, default=None,

@@ -231,7 +231,7 @@ def setup(settings: RunSettings, gpu_defaults_set: list[str] | None) -> Session:
     # What a step line prints: the optimizer's own schedules, computed once for every step
     schedules = run.optimizer.schedules_at(np.arange(run.num_iterations + 1))
     logger = StepLogger(run, peak_flops_per_device(run.mesh.devices.flat[0]), schedules, wandb_run)
-    report = get_report() if is_master() else None
+    report = get_report(model_tag=os.path.basename(directory)) if is_master() else None  # the curve is the run's
     if report is not None and plan.resume is None:
         report.clear_curve()  # a fresh run starts a new curve; a resumed one continues it
     return Session(run.settings, run, tokenizer, token_bytes, train_loader, val_loader, eval_steps, checkpointer, state,

@@ -67,8 +67,8 @@ def test_report_has_the_curve_and_the_run_figures(demo):
     base, out = demo
     report_dir = base / "report"
     text = (report_dir / "report.md").read_text()
-    assert "![training loss and validation bpb](training_curve.png)" in text
-    with open(report_dir / "training_curve.png", "rb") as f:
+    assert "![training loss and validation bpb of d2](training_curve_d2.png)" in text
+    with open(report_dir / "training_curve_d2.png", "rb") as f:
         png = f.read()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
     for section in ("## System", "## Tokenizer training", "## Base model training", "## Base model loss"):
@@ -88,7 +88,7 @@ def test_report_has_the_curve_and_the_run_figures(demo):
     assert re.fullmatch(r"\d+:\d\d:\d\d", table["Wall clock, reset to last stage"])
 
     # the curve holds every step's printed loss and every validation bpb
-    with open(report_dir / "training_curve.csv", newline="") as f:
+    with open(report_dir / "training_curve_d2.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     printed_losses = [(int(s), x) for s, x in re.findall(r"^step (\d+)/00040 .*?\| loss: ([\d.]+) \|", out, re.M)]
     assert len(printed_losses) == 40

@@ -1,5 +1,6 @@
 """The report card: sections as the stages write them, the summary table pulled from them, the training
-curve (CSV that survives a resume, PNG drawn from it), the system section, and the command line.
+curve (one per model tag: a CSV that survives a resume, PNG drawn from it), the system section, and the command
+line.
 (scripts.train writing the curve across a real resume: test_checkpoint.py's end-to-end runs.)"""
 
 import csv
@@ -70,25 +71,25 @@ def test_sections_and_summary_carry_the_logged_values(tmp_path):
                                                    "Base model loss")]
     assert order == sorted(order)
     assert "(no `python -m jaxchat.report reset` before this run: taken now)" in text
-    assert "training_curve.png" not in text  # nothing was logged to the curve
+    assert "training_curve" not in text  # nothing was logged to a curve
 
 
 def test_curve_last_row_of_a_step_wins_and_plot_shows_both_series(tmp_path):
-    r = report.Report(str(tmp_path))
+    r = report.Report(str(tmp_path), "d4")
     r.append_curve([(0, None, 3.1), (0, 9.0, None), (1, 8.5, None), (2, 8.0, None), (2, None, 2.9)])
     # a resume from step 1: steps 1 and 2 again (as an exact resume would give), then onwards
     r.append_curve([(1, 8.5, None), (2, 8.0, None), (2, None, 2.9), (3, 7.0, None), (4, 6.5, None), (4, None, 2.5)])
     r.append_curve([])
-    with open(tmp_path / report.CURVE_CSV, newline="") as f:
+    with open(tmp_path / "training_curve_d4.csv", newline="") as f:
         rows = list(csv.reader(f))
     assert rows[0] == ["step", "train_loss", "val_bpb"] and len(rows) == 1 + 11
     assert rows[1] == ["0", "", "3.100000"]
-    train, val = r.read_curve()
+    train, val = r.read_curve("d4")
     assert train == {0: 9.0, 1: 8.5, 2: 8.0, 3: 7.0, 4: 6.5}
     assert val == {0: 3.1, 2: 2.9, 4: 2.5}
 
-    png = r.plot_curve()
-    assert png == str(tmp_path / report.CURVE_PNG)
+    png = r.plot_curve("d4")
+    assert png == str(tmp_path / "training_curve_d4.png")
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     image = matplotlib.image.imread(png)[..., :3]
@@ -98,14 +99,42 @@ def test_curve_last_row_of_a_step_wins_and_plot_shows_both_series(tmp_path):
         assert (np.abs(image * 255 - np.array(rgb)).max(axis=-1) < 8).sum() > 200, rgb
 
     r.clear_curve()
-    assert not os.path.exists(tmp_path / report.CURVE_CSV) and not os.path.exists(png)
-    assert r.read_curve() == ({}, {}) and r.plot_curve() is None
+    assert not os.path.exists(tmp_path / "training_curve_d4.csv") and not os.path.exists(png)
+    assert r.read_curve("d4") == ({}, {}) and r.plot_curve("d4") is None
+
+
+def curve_steps(r: report.Report, model_tag: str) -> list[int]:
+    return list(r.read_curve(model_tag)[0])
+
+
+def test_each_run_has_its_own_curve_and_the_report_draws_the_trained_ones(tmp_path):
+    """A run preempted at step 2 ('long'), a fresh run under another tag ('probe'), then 'long' resumed: the
+    fresh run does not clear the preempted run's curve, and the report draws the curve of the run whose base
+    training section it shows."""
+    long, probe = report.Report(str(tmp_path), "long"), report.Report(str(tmp_path), "probe")
+    long.clear_curve()  # scripts.train, as a fresh run starts
+    long.append_curve([(0, 9.0, 3.0), (1, 8.0, None), (2, 7.5, 2.8)])
+    probe.clear_curve()
+    probe.append_curve([(0, 9.9, 3.3), (1, 9.8, None)])
+    probe.log(report.Section.BASE_TRAINING, [{"Number of parameters": 10}])
+    assert "![training loss and validation bpb of probe](training_curve_probe.png)" in open(probe.generate()).read()
+    long.append_curve([(2, 7.5, 2.8), (3, 7.0, None), (4, 6.5, 2.5)])  # resumed from step 2: no clear
+    long.log(report.Section.BASE_TRAINING, [{"Number of parameters": 20}])
+    assert curve_steps(long, "long") == [0, 1, 2, 3, 4] and long.read_curve("long")[0][1] == 8.0
+    assert curve_steps(long, "probe") == [0, 1]
+    text = open(report.Report(str(tmp_path)).generate()).read()  # `report generate`: no model tag of its own
+    assert "![training loss and validation bpb of long](training_curve_long.png)" in text
+    assert "training_curve_probe" not in text and summary_table(text)["Parameters"] == "20"
+    assert (matplotlib.image.imread(tmp_path / "training_curve_long.png").shape == (440, 1210, 4))
+    with pytest.raises(ValueError, match="only a run's report has a curve"):
+        report.Report(str(tmp_path)).append_curve([(0, 1.0, None)])
 
 
 def test_reset_writes_the_system_section_and_clears_the_last_run(tmp_path):
-    r = report.Report(str(tmp_path))
+    r = report.Report(str(tmp_path), "d4")
     log_stages(r)
     r.append_curve([(0, 9.0, 3.0)])
+    report.Report(str(tmp_path), "other").append_curve([(0, 9.0, 3.0)])
     r.generate()
     r.reset()
     assert sorted(os.listdir(tmp_path)) == ["system.json", "system.md"]
@@ -128,14 +157,14 @@ def test_reset_writes_the_system_section_and_clears_the_last_run(tmp_path):
 def test_command_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("JAXCHAT_BASE_DIR", str(tmp_path))
     report.main(["reset"])
-    log_stages(report.get_report())
-    report.get_report().append_curve([(0, 9.0, 3.0), (1, 8.0, None), (2, 7.5, 2.8)])
+    log_stages(report.get_report(model_tag="d4"))
+    report.get_report(model_tag="d4").append_curve([(0, 9.0, 3.0), (1, 8.0, None), (2, 7.5, 2.8)])
     report.main([])  # generate is the default
     out = capsys.readouterr().out
     assert re.search(r"^Val bpb +2\.01235$", out, re.M)
     assert f"Report written to {tmp_path / 'report' / 'report.md'}" in out
     text = (tmp_path / "report" / "report.md").read_text()
-    assert "![training loss and validation bpb](training_curve.png)" in text
-    assert os.path.getsize(tmp_path / "report" / "training_curve.png") > 0
+    assert "![training loss and validation bpb of d4](training_curve_d4.png)" in text
+    assert os.path.getsize(tmp_path / "report" / "training_curve_d4.png") > 0
     with pytest.raises(SystemExit):
         report.main(["publish"])

@@ -247,7 +247,7 @@ def interrupt_pair_at(base_dir, start_train, rest_of_output, port, step: int, si
     outputs = [rest_of_output(p, timeout=120) for p in procs]
     return {"procs": procs, "outputs": ["".join(head) + outputs[0], outputs[1]], "seconds": time.monotonic() - sent,
             "at": step, "on_disk": sorted(os.listdir(base_dir / "base_checkpoints" / "requeued")),
-            "curve": curve_rows(base_dir)}
+            "curve": curve_rows(base_dir, "requeued")}
 
 
 def newest_step(on_disk: list[str]) -> int | None:
@@ -255,9 +255,10 @@ def newest_step(on_disk: list[str]) -> int | None:
     return max((int(name) for name in on_disk if name.isdigit()), default=None)
 
 
-def curve_rows(base_dir) -> list[tuple[int, str, str]]:
-    """The report's training curve as process 0 wrote it: (step, loss, val bpb) as text, '' where not measured."""
-    with open(base_dir / "report" / report.CURVE_CSV, newline="") as f:
+def curve_rows(base_dir, model_tag: str) -> list[tuple[int, str, str]]:
+    """A run's training curve in the report as process 0 wrote it: (step, loss, val bpb) as text, '' where not
+    measured."""
+    with open(base_dir / "report" / report.curve_file(model_tag), newline="") as f:
         header, *rows = csv.reader(f)
     assert header == ["step", "train_loss", "val_bpb"]
     return [(int(step), loss, bpb) for step, loss, bpb in rows]
@@ -272,14 +273,14 @@ def printed_curve(out: str) -> list[tuple[int, str, str]]:
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory, make_base_dir, start_train, rest_of_output, free_port, subprocess_env):
-    """In one base dir (so one report curve): {'slurm': the reference pair's CompletedProcess (run 'whole'),
+    """In one base dir (so one report, a curve per run): {'slurm': the reference pair's CompletedProcess (run 'whole'),
     'whole': its output, 'whole_curve': the curve after it; 'kill', 'term': interrupt_pair_at of the first and
     second start of 'requeued'; 'resumed': process 0's output of its third start, 'resumed_curve': the curve after}."""
     tmp = tmp_path_factory.mktemp("pairs")
     base_dir = make_base_dir(tmp / "base")
     slurm = run_slurm_script(base_dir, tmp / "bin", subprocess_env, *PAIR_FLAGS, "--model-tag=whole")
     assert slurm.returncode == 0, (slurm.stdout + slurm.stderr)[-3000:]
-    result = {"base": base_dir, "slurm": slurm, "whole": slurm.stdout, "whole_curve": curve_rows(base_dir)}
+    result = {"base": base_dir, "slurm": slurm, "whole": slurm.stdout, "whole_curve": curve_rows(base_dir, "whole")}
     # killed once step 1..4 is printed: before its first save (step 3) or after it
     result["kill"] = interrupt_pair_at(base_dir, start_train, rest_of_output, free_port(), random.randint(1, 4),
                                        signal.SIGKILL)
@@ -288,7 +289,7 @@ def pairs(tmp_path_factory, make_base_dir, start_train, rest_of_output, free_por
     result["term"] = interrupt_pair_at(base_dir, start_train, rest_of_output, free_port(),
                                        random.randint(restart, restart + 2), signal.SIGTERM)
     result["resumed"] = train_two_processes(base_dir, start_train, free_port(), *PAIR_FLAGS, "--model-tag=requeued")
-    result["resumed_curve"] = curve_rows(base_dir)
+    result["resumed_curve"] = curve_rows(base_dir, "requeued")
     return result
 
 
@@ -387,12 +388,14 @@ def test_two_hosts_save_and_evaluate_the_same_after_two_restarts(pairs):
 
 @pytest.mark.slow
 def test_the_report_curve_starts_anew_and_a_resumed_run_carries_it_on(pairs):
-    """Process 0 appends to <base>/report/training_curve.csv at each evaluation and save. A fresh start (the
-    first of 'requeued': 'latest' with nothing saved) replaces the reference run's curve; a resumed start
-    appends to it; after exact resumes the newest row of each step is the reference's."""
+    """Process 0 appends to <base>/report/training_curve_<tag>.csv at each evaluation and save. A fresh start
+    (the first of 'requeued': 'latest' with nothing saved) starts its own curve, and leaves the reference run's
+    ('whole') as it was; a resumed start appends to it; after exact resumes the newest row of each step is the
+    reference's."""
     assert pairs["whole_curve"] == printed_curve(pairs["whole"])  # values as printed
+    assert curve_rows(pairs["base"], "whole") == pairs["whole_curve"]  # the other run's starts left it alone
     killed, stopped = pairs["kill"], pairs["term"]
-    # the reference's rows are gone: what is there is what the killed run printed, up to its last save or eval
+    # what is there is what the killed run printed, up to its last save or eval
     written = killed["curve"]
     assert written and written == printed_curve(killed["outputs"][0])[:len(written)]
     carried = written if newest_step(killed["on_disk"]) is not None else []  # else the next start is fresh too
