@@ -147,7 +147,7 @@ def build(settings: RunSettings, gpu_defaults_set: list[str] | None) -> tuple[Ru
     from jaxchat.core_eval import download_eval_bundle
     from jaxchat.huge_pages import huge_pages_note
     from jaxchat.run import build_run, make_layout
-    from jaxchat.tokenizer import get_token_bytes, get_tokenizer
+    from jaxchat.tokenizer import TokenizerError, get_token_bytes, get_tokenizer
 
     layout = make_layout(settings)  # a batch that does not divide fails before any loading
     device = layout.mesh.devices.flat[0]
@@ -167,7 +167,7 @@ def build(settings: RunSettings, gpu_defaults_set: list[str] | None) -> tuple[Ru
             fail(f"{e}\nOr train without CORE: --core-metric-every=-1 (then run scripts.base_eval on the checkpoint)")
     try:
         tokenizer, token_bytes = get_tokenizer(), get_token_bytes()
-    except FileNotFoundError as e:
+    except (FileNotFoundError, TokenizerError) as e:
         fail(str(e))
     run = build_run(settings, tokenizer.get_vocab_size(), layout=layout, print_fn=print0)
     return run, tokenizer, token_bytes
