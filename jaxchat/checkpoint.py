@@ -402,15 +402,14 @@ class RunCheckpoints:
 
     def _checked_meta(self, step: int, targets: dict, data_iter, model_config, tokenizer, check_meta) -> dict:
         """Process 0's check of a step before every process reads its arrays: complete, of this model and
-        tokenizer, with the items asked for, in this structure. Its metadata, or the CheckpointError."""
+        tokenizer, with the items asked for, accepted by check_meta, in this structure. Its metadata, or the
+        CheckpointError."""
         where = f"checkpoint step {step} in {self.directory}"
         problem = step_problem(self.directory, step)
         if problem:
             raise IncompleteCheckpointError(f"{where}: {problem}")
         meta = read_step_meta(self.directory, step)
         check_compatible(meta, model_config, tokenizer, where)
-        if check_meta is not None:
-            check_meta(meta)
         for item in targets:
             if item not in meta["items"]:
                 source = f" (imported from {meta['imported_from']})" if "imported_from" in meta else ""
@@ -418,6 +417,8 @@ class RunCheckpoints:
                     f"{where} holds no {item}{source}: it can be evaluated or sampled (load_model), not resumed")
         if data_iter is not None and "data" not in meta["items"]:
             raise CheckpointMismatchError(f"{where} holds no data iterator state to resume the data from")
+        if check_meta is not None:  # the caller's own, once the step holds what a resume reads
+            check_meta(meta)
         for item, target in targets.items():
             saved, wanted = _signature(saved_structure(self.directory, step, item)), _signature(target)
             if saved != wanted:
