@@ -84,7 +84,7 @@ MODEL = "model"  # shapes the model: compared as the model config (jaxchat.check
 # or changes the maths through a value it resolves to, which is compared instead (-1, automatic, and the number it
 # resolves to are one run): the meta records each under its name (jaxchat.run.Run.resolved)
 BATCH, HORIZON, DTYPE = "total_batch_size", "num_iterations", "compute_dtype"
-RESOLVED = types.MappingProxyType({BATCH: "the total batch size", HORIZON: "the horizon (steps)",
+RESOLVED = types.MappingProxyType({BATCH: "the total batch size", HORIZON: "the horizon in steps",
                                    DTYPE: "the compute dtype"})
 
 

@@ -140,7 +140,7 @@ def test_a_resume_that_would_change_the_maths_is_refused_in_one_line_saying_how_
                      for path in glob.glob(str(run_dir / "[0-9]*" / "**"), recursive=True)}
     before = files()
     monkeypatch.setenv("JAXCHAT_BASE_DIR", str(source))
-    horizon = "the horizon (steps) (from --num-iterations, --target-flops, --target-param-data-ratio)"
+    horizon = "the horizon in steps (from --num-iterations, --target-flops, --target-param-data-ratio)"
     for flags, difference in ((["--num-iterations=2", "--total-batch-size=512"],
                                "the total batch size (from --total-batch-size): the checkpoint's 256, this run's 512"),
                               (["--num-iterations=3"], f"{horizon}: the checkpoint's 2, this run's 3"),

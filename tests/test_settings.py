@@ -158,9 +158,9 @@ RESOLVED_SAVED = {"total_batch_size": 1024, "num_iterations": 6, "compute_dtype"
     # the maths: a batch, a horizon extended after the last step or cut before the checkpoint, a rate, the dtype
     ({"total_batch_size": 2048}, {"total_batch_size": 2048},
      "the total batch size (from --total-batch-size): the checkpoint's 1024, this run's 2048"),
-    ({"num_iterations": 10}, {"num_iterations": 10}, "the horizon (steps) (from --num-iterations, --target-flops, "
+    ({"num_iterations": 10}, {"num_iterations": 10}, "the horizon in steps (from --num-iterations, --target-flops, "
                                                      "--target-param-data-ratio): the checkpoint's 6, this run's 10"),
-    ({"num_iterations": 4}, {"num_iterations": 4}, "the horizon (steps) (from --num-iterations, --target-flops, "
+    ({"num_iterations": 4}, {"num_iterations": 4}, "the horizon in steps (from --num-iterations, --target-flops, "
                                                    "--target-param-data-ratio): the checkpoint's 6, this run's 4"),
     ({"matrix_lr": 0.04}, {}, "--matrix-lr: the checkpoint's 0.02, this run's 0.04"),
     ({"warmdown_ratio": 0.5}, {}, "--warmdown-ratio: the checkpoint's 0.4, this run's 0.5"),
