@@ -36,6 +36,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 
 import grain.checkpoint
 import jax
@@ -368,13 +369,15 @@ class RunCheckpoints:
     # -- restoring --
 
     def restore(self, step: int | str, abstract_params, abstract_opt_state=None, param_shardings=None, opt_shardings=None,
-                data_iter=None, *, model_config: GPTConfig | dict | None = None, tokenizer=None) -> tuple:
+                data_iter=None, *, model_config: GPTConfig | dict | None = None, tokenizer=None,
+                check_meta: Callable[[dict], None] | None = None) -> tuple:
         """Restores (params, opt_state, meta) of `step` (a number, or LATEST: the newest step that
         restores completely, skipping damaged ones with a message) onto the given shardings, and sets
         data_iter's state. abstract_*: ShapeDtypeStruct pytrees of this run's state (jax.eval_shape);
         shardings: matching pytrees of NamedSharding (None: taken from the abstract leaves).
         abstract_opt_state=None restores the parameters only. With model_config/tokenizer, a checkpoint
-        of another model or vocabulary is refused (CheckpointMismatchError). A read that fails for a reason
+        of another model or vocabulary is refused (CheckpointMismatchError); so is a step check_meta(meta) refuses
+        (raising a CheckpointError), before its arrays are read. A read that fails for a reason
         that is not the step's raises StepUnreadableError: nothing is skipped."""
         self.wait()
         self._manager.reload()
@@ -385,7 +388,7 @@ class RunCheckpoints:
         for candidate in decided_by_process_0("restore candidates", lambda: rundir.restore_candidates(self.directory, step),
                                               SHARED_ERRORS):
             try:
-                restored = self._restore_step(candidate, targets, data_iter, model_config, tokenizer)
+                restored = self._restore_step(candidate, targets, data_iter, model_config, tokenizer, check_meta)
             except IncompleteCheckpointError as e:
                 self._damaged.add(candidate)
                 if step != LATEST:
@@ -400,9 +403,10 @@ class RunCheckpoints:
                                 "(kept there, not deleted); to train anew, pick another --model-tag, or pass "
                                 "--overwrite instead of --resume-from-step (it keeps damaged steps in damaged/)")
 
-    def _checked_meta(self, step: int, targets: dict, data_iter, model_config, tokenizer) -> dict:
+    def _checked_meta(self, step: int, targets: dict, data_iter, model_config, tokenizer, check_meta) -> dict:
         """Process 0's check of a step before every process reads its arrays: complete, of this model and
-        tokenizer, with the items asked for, in this structure. Its metadata, or the CheckpointError."""
+        tokenizer, with the items asked for, accepted by check_meta, in this structure. Its metadata, or the
+        CheckpointError."""
         where = f"checkpoint step {step} in {self.directory}"
         problem = step_problem(self.directory, step)
         if problem:
@@ -416,6 +420,8 @@ class RunCheckpoints:
                     f"{where} holds no {item}{source}: it can be evaluated or sampled (load_model), not resumed")
         if data_iter is not None and "data" not in meta["items"]:
             raise CheckpointMismatchError(f"{where} holds no data iterator state to resume the data from")
+        if check_meta is not None:  # the caller's own, once the step holds what a resume reads
+            check_meta(meta)
         for item, target in targets.items():
             saved, wanted = _signature(saved_structure(self.directory, step, item)), _signature(target)
             if saved != wanted:
@@ -426,9 +432,9 @@ class RunCheckpoints:
                 )
         return meta
 
-    def _restore_step(self, step: int, targets: dict, data_iter, model_config, tokenizer) -> dict:
+    def _restore_step(self, step: int, targets: dict, data_iter, model_config, tokenizer, check_meta) -> dict:
         meta = decided_by_process_0("checked step", lambda: self._checked_meta(step, targets, data_iter, model_config,
-                                                                              tokenizer), SHARED_ERRORS)
+                                                                              tokenizer, check_meta), SHARED_ERRORS)
         # strict=False lets Orbax pad (with zeros) or crop Muon's stacks to this run's padding; every other
         # shape was checked equal above
         args = {item: ocp.args.StandardRestore(target, strict=item != "opt_state") for item, target in targets.items()}

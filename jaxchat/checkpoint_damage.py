@@ -22,7 +22,7 @@ import re
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxchat.checkpoint_meta import StepUnreadableError
+from jaxchat.checkpoint_meta import StepUnreadableError, step_meta_file
 
 # The status codes that say the step's bytes are not what its own index promised
 DAMAGE_STATUS_CODES = frozenset({"OUT_OF_RANGE", "DATA_LOSS", "FAILED_PRECONDITION", "NOT_FOUND"})
@@ -64,7 +64,7 @@ def is_damage(error: BaseException) -> bool:
 
 def read_step_meta(directory: str, step: int) -> dict:
     """The metadata of a step: the JSON file Orbax's JsonCheckpointHandler writes."""
-    with open(os.path.join(directory, str(step), "meta", "metadata"), encoding="utf-8") as f:
+    with open(step_meta_file(directory, step), encoding="utf-8") as f:
         return json.load(f)
 
 

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import os
 import re
 
 from jaxchat.gpt import DEFAULT_RECIPE, GPTConfig
@@ -33,7 +34,8 @@ class CheckpointError(Exception):
 
 
 class CheckpointMismatchError(CheckpointError, ValueError):
-    """The checkpoint is complete but belongs to another model, tokenizer or number of processes."""
+    """The checkpoint is complete but belongs to another model, tokenizer, number of processes or run (settings
+    that change the maths, jaxchat.settings.resume_difference), or its meta lacks what a resume needs."""
 
 
 class IncompleteCheckpointError(CheckpointError, ValueError):
@@ -114,13 +116,24 @@ class TrainingMeta:
     max_seq_len: int
     loop_state: dict  # LoopState's other fields: min_val_bpb, smooth_train_loss, total_training_time
     tokenizer: dict  # {vocab_size, sha256}: a retrained tokenizer of the same size is told apart
+    # What the settings resolved to (jaxchat.run.Run.resolved), which a resumed run must resolve to as well; absent
+    # from checkpoints saved before they were recorded, which resume all the same (so a save does not require them)
+    total_batch_size: int | None = None  # tokens per step (nanochat 92d63d4's meta has it too)
+    num_iterations: int | None = None  # the horizon
+    compute_dtype: str | None = None
 
 
 # What a training checkpoint's metadata must hold for an exact resume (the step is the checkpoint's own)
-TRAINING_META_KEYS = tuple(f.name for f in dataclasses.fields(TrainingMeta) if f.name != "step")
+TRAINING_META_KEYS = tuple(f.name for f in dataclasses.fields(TrainingMeta)
+                           if f.name != "step" and f.default is dataclasses.MISSING)
 
 
 # ---- what a checkpoint records, and whether it is this run's -------------------------------------
+
+def step_meta_file(directory: str, step: int) -> str:
+    """The JSON file of a step's metadata: its item "meta", as Orbax's JsonCheckpointHandler writes it."""
+    return os.path.join(directory, str(step), "meta", "metadata")
+
 
 def tokenizer_info(tokenizer) -> dict:
     """What a checkpoint records of its tokenizer: the vocabulary size and a hash of the vocabulary
@@ -133,14 +146,15 @@ def tokenizer_info(tokenizer) -> dict:
     return {"vocab_size": tokenizer.get_vocab_size(), "sha256": digest.hexdigest()}
 
 
-def training_meta(loop_meta: dict, model_config: GPTConfig, settings, tokenizer) -> dict:
-    """A training checkpoint's metadata (a TrainingMeta, as JSON): the loop's state (LoopState.to_meta),
-    the model config, the run's settings (a jaxchat.settings.RunSettings: its command line as user_config,
-    its recipe among them) and the tokenizer's identity."""
+def training_meta(loop_meta: dict, run, tokenizer) -> dict:
+    """A training checkpoint's metadata (a TrainingMeta, as JSON): the loop's state (LoopState.to_meta), and of
+    the run (a jaxchat.run.Run) its model config, its settings (the command line as user_config, its recipe
+    among them) and what they resolved to, and the tokenizer's identity."""
+    settings = run.settings
     return dataclasses.asdict(TrainingMeta(
-        **loop_meta, model_config=dataclasses.asdict(model_config), user_config=settings.user_config(),
+        **loop_meta, model_config=dataclasses.asdict(run.config), user_config=settings.user_config(),
         device_batch_size=settings.device_batch_size, max_seq_len=settings.max_seq_len,
-        tokenizer=tokenizer_info(tokenizer)))
+        tokenizer=tokenizer_info(tokenizer), **run.resolved()))
 
 
 def config_differences(saved: dict, model_config: GPTConfig | dict) -> list[str]:

@@ -14,6 +14,7 @@ target tokens over d12's (the same ratio times d12's scaling params), and weight
 """
 
 import dataclasses
+import os
 from collections.abc import Callable
 
 import jax
@@ -21,11 +22,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxchat.checkpoint_meta import CheckpointMismatchError, step_meta_file
 from jaxchat.footprint import XLA_MARGIN, choose_remat, device_budget, model_kept_activations, remat_needs, state_bytes
 from jaxchat.gpt import GPTConfig, count_params, use_fp8
 from jaxchat.mesh import batch_sharding, make_mesh
 from jaxchat.optim import Horizon, Optimizer, auto_total_batch_size, optimizer_recipe, setup_optimizer
-from jaxchat.settings import RunSettings, SettingsError
+from jaxchat.settings import RESOLVED, RunSettings, SettingsError, resume_difference
+from jaxchat.train_loop import LoopState
 from jaxchat.trainer import TrainState, abstract_model, abstract_train_state, init_train_state, make_train_step
 
 
@@ -39,6 +42,7 @@ class Run:
     num_iterations: int
     num_params: int
     flops_per_token: int
+    compute_dtype: str  # of the matmuls: the setting's, else the platform's (bfloat16 on accelerators, float32 on CPU)
     optimizer: Optimizer
     state: TrainState  # ShapeDtypeStructs until init_state() (or a checkpoint restore) fills it
 
@@ -55,6 +59,25 @@ class Run:
     def train_step(self) -> Callable:
         """The jitted step(params, opt_state, inputs, targets) -> (params, opt_state, {'loss'})."""
         return make_train_step(self.state, self.optimizer, self.mesh)
+
+    def resolved(self) -> dict:
+        """What the settings resolved to (jaxchat.settings.RESOLVED), as a checkpoint's meta records them."""
+        return {name: getattr(self, name) for name in RESOLVED}
+
+    def check_resume(self, meta: dict, directory: str) -> None:
+        """Before a checkpoint of the run directory is resumed (its arrays read): CheckpointMismatchError, one
+        line, if the run that saved it differs from this one in a setting that changes the maths
+        (jaxchat.settings.resume_difference: a batch, horizon or learning rate changed mid-run would train another
+        run under this one's name), or if its meta lacks the loop's state."""
+        step = meta["step"]
+        LoopState.from_meta(meta, where=step_meta_file(directory, step))
+        difference = resume_difference(meta, self.settings, self.resolved())
+        if difference:
+            raise CheckpointMismatchError(
+                f"checkpoint step {step} in {directory} was saved by a run with other settings: {difference}. A "
+                "resumed run keeps its checkpoint's settings (README: Training flags): resume with that run's own, or "
+                f"start a new run from these weights with --init-from {os.path.join(directory, str(step))} "
+                "--model-tag <a new tag> in place of --resume-from-step")
 
     def training_flops(self, steps: int) -> int:
         """FLOPs of the first `steps` optimizer steps (nanochat's estimate: flops_per_token x tokens)."""
@@ -197,7 +220,7 @@ def build_run(settings: RunSettings, vocab_size: int, *, mesh: Mesh | None = Non
             state = abstract_train_state(config, optimizer, mesh, fsdp=settings.fsdp, seed=settings.seed,
                                          **settings.model_kwargs())
     return Run(settings, config, mesh, layout.grad_accum_steps, total_batch_size, num_iterations, num_params,
-               flops_per_token, optimizer, state)
+               flops_per_token, str(model.dtype), optimizer, state)
 
 
 def _mesh_budget(mesh: Mesh) -> tuple[int, str]:

@@ -9,9 +9,10 @@ import os
 from jaxchat.checkpoint_meta import (CHECKPOINTS_SUBDIR, CheckpointError, CheckpointMismatchError, NoCheckpointError,
                                      check_model_tag, model_tag_flag)
 from jaxchat.common import PlatformError
+from jaxchat.tokenizer import TokenizerError
 
 # What loading can fail with, each message saying what to do: a script prints it and exits
-LOAD_ERRORS: tuple[type[Exception], ...] = (FileNotFoundError, PlatformError, CheckpointError)
+LOAD_ERRORS: tuple[type[Exception], ...] = (FileNotFoundError, TokenizerError, PlatformError, CheckpointError)
 
 
 def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:

@@ -76,18 +76,31 @@ def get_recipe(name: str) -> Recipe:
 
 # ---- the settings ---------------------------------------------------------------------------------
 
-def setting(default: Any, help: str, group: str, *, nanochat: bool = True, choices: Sequence | None = None,
-            positive: bool = False, off: str | None = None, parse: Any = None, recipes: Sequence[str] | None = None,
-            cli: bool = True) -> Any:
-    """A RunSettings field: default and command-line metadata. nanochat: base_train.py has this flag (the
-    README's nanochat column); choices/positive: checked by RunSettings.check; off: -1 means this ('off',
-    'all'), as nanochat's flags say, and any other value below 1 is refused (`--num-iterations 0` is a typo,
-    not a way to fall through to another horizon); parse: the argparse type when the annotation is not
-    enough; recipes: the recipes that have this setting (None: every one); cli: False for settings of
+# How a resumed run's setting is compared with the checkpoint's (each field's `resume`; scripts.train compares
+# before any array is read, and the README's Training flags section lists the flags of each kind):
+FREE = "free"  # changes none of the run's maths (cadence, logging, layout on the devices, kernels): may differ
+SAME = "same"  # changes the maths: must be the value the checkpoint's meta records (its user_config)
+MODEL = "model"  # shapes the model: compared as the model config (jaxchat.checkpoint_meta.check_compatible)
+# or changes the maths through a value it resolves to, which is compared instead (-1, automatic, and the number it
+# resolves to are one run): the meta records each under its name (jaxchat.run.Run.resolved)
+BATCH, HORIZON, DTYPE = "total_batch_size", "num_iterations", "compute_dtype"
+RESOLVED = types.MappingProxyType({BATCH: "the total batch size", HORIZON: "the horizon in steps",
+                                   DTYPE: "the compute dtype"})
+
+
+def setting(default: Any, help: str, group: str, *, resume: str, nanochat: bool = True,
+            choices: Sequence | None = None, positive: bool = False, off: str | None = None, parse: Any = None,
+            recipes: Sequence[str] | None = None, cli: bool = True) -> Any:
+    """A RunSettings field: default and command-line metadata. resume: how a resumed run's value is compared
+    with its checkpoint's (FREE, SAME, MODEL or a key of RESOLVED: every field says); nanochat: base_train.py
+    has this flag (the README's nanochat column); choices/positive: checked by RunSettings.check; off: -1 means
+    this ('off', 'all'), as nanochat's flags say, and any other value below 1 is refused (`--num-iterations 0`
+    is a typo, not a way to fall through to another horizon); parse: the argparse type when the annotation is
+    not enough; recipes: the recipes that have this setting (None: every one); cli: False for settings of
     library callers only."""
     return dataclasses.field(default=default, metadata={
-        "help": help, "group": group, "nanochat": nanochat, "choices": choices, "positive": positive, "off": off,
-        "parse": parse, "recipes": recipes, "cli": cli})
+        "help": help, "group": group, "resume": resume, "nanochat": nanochat, "choices": choices,
+        "positive": positive, "off": off, "parse": parse, "recipes": recipes, "cli": cli})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,89 +109,107 @@ class RunSettings:
     (group JAX). Checked when built: an instance is a run that can start."""
 
     # Logging
-    run: str = setting("dummy", "wandb run name ('dummy' disables wandb logging)", "Logging")
+    run: str = setting("dummy", "wandb run name ('dummy' disables wandb logging)", "Logging", resume=FREE)
     # Runtime
-    device_type: str = setting("", "cuda|cpu (empty = autodetect)", "Runtime")
-    recipe: str = setting(DEFAULT_RECIPE, f"nanochat recipe: {', '.join(RECIPES)}", "Runtime", nanochat=False)
+    device_type: str = setting("", "cuda|cpu (empty = autodetect)", "Runtime", resume=DTYPE)
+    recipe: str = setting(DEFAULT_RECIPE, f"nanochat recipe: {', '.join(RECIPES)}", "Runtime", nanochat=False,
+                          resume=SAME)
     # FP8 training
-    fp8: bool = setting(False, "enable FP8 training (fast on H100+; emulated, slow, on CPU)", "FP8 training")
+    fp8: bool = setting(False, "enable FP8 training (fast on H100+; emulated, slow, on CPU)", "FP8 training",
+                        resume=SAME)
     fp8_recipe: str = setting("tensorwise", "FP8 scaling recipe: tensorwise (one scale per tensor, as nanochat's "
-                              "own fp8.py; rowwise is refused)", "FP8 training")
+                              "own fp8.py; rowwise is refused)", "FP8 training", resume=SAME)
     # Model architecture
-    depth: int = setting(20, "depth of the Transformer model", "Model architecture", positive=True)
-    aspect_ratio: int = setting(64, "model_dim = depth * aspect_ratio", "Model architecture", positive=True)
-    head_dim: int = setting(128, "target head dimension for attention", "Model architecture", positive=True)
-    max_seq_len: int = setting(2048, "max context length", "Model architecture", positive=True)
+    depth: int = setting(20, "depth of the Transformer model", "Model architecture", positive=True, resume=MODEL)
+    aspect_ratio: int = setting(64, "model_dim = depth * aspect_ratio", "Model architecture", positive=True,
+                                resume=MODEL)
+    head_dim: int = setting(128, "target head dimension for attention", "Model architecture", positive=True,
+                            resume=MODEL)
+    max_seq_len: int = setting(2048, "max context length", "Model architecture", positive=True, resume=MODEL)
     window_pattern: str = setting("SSSL", "sliding window pattern tiled across layers: L=full, S=half context "
-                                  "(e.g. 'SSL')", "Model architecture")
+                                  "(e.g. 'SSL')", "Model architecture", resume=MODEL)
     # Training horizon (only one used, in order of precedence)
-    num_iterations: int = setting(-1, "explicit number of optimization steps (-1 = disable)", "Training horizon", off="off")
+    num_iterations: int = setting(-1, "explicit number of optimization steps (-1 = disable)", "Training horizon",
+                                  off="off", resume=HORIZON)
     target_flops: float = setting(-1.0, "calculate num_iterations to reach target_flops (-1 = disable)",
-                                  "Training horizon", off="off")
+                                  "Training horizon", off="off", resume=HORIZON)
     target_param_data_ratio: float = setting(8, "calculate num_iterations to maintain data:param ratio "
-                                             "(Chinchilla=20, -1 = disable)", "Training horizon", off="off")
+                                             "(Chinchilla=20, -1 = disable)", "Training horizon", off="off",
+                                             resume=HORIZON)
     # Optimization
-    device_batch_size: int = setting(32, "per-device batch size", "Optimization", positive=True)
+    device_batch_size: int = setting(32, "per-device batch size", "Optimization", positive=True, resume=FREE)
     total_batch_size: int = setting(524288, "total batch size in tokens (-1 = the recipe's rule, where it has one)",
-                                    "Optimization")
-    embedding_lr: float = setting(0.3, "learning rate for embedding parameters (Adam)", "Optimization")
-    unembedding_lr: float = setting(0.004, "learning rate for unembedding parameters (Adam)", "Optimization")
-    weight_decay: float = setting(0.2, "cautious weight decay for the Muon optimizer (for weights)", "Optimization")
-    matrix_lr: float = setting(0.02, "learning rate for matrix parameters (Muon)", "Optimization")
-    scalar_lr: float = setting(0.5, "learning rate for scalars (resid_lambdas, x0_lambdas)", "Optimization")
-    adam_beta1: float = setting(0.8, "Adam beta1 for embedding/unembedding", "Optimization")
-    adam_beta2: float = setting(0.95, "Adam beta2 for embedding/unembedding", "Optimization")
-    warmup_ratio: float = setting(0.0, "ratio of iterations for LR warmup", "Optimization")
-    warmup_steps: int = setting(0, "number of steps for LR warmup", "Optimization", recipes=("92d63d4",))
-    warmdown_ratio: float = setting(0.4, "ratio of iterations for LR warmdown", "Optimization")
-    final_lr_frac: float = setting(0.0, "final LR as fraction of initial LR", "Optimization")
+                                    "Optimization", resume=BATCH)
+    embedding_lr: float = setting(0.3, "learning rate for embedding parameters (Adam)", "Optimization", resume=SAME)
+    unembedding_lr: float = setting(0.004, "learning rate for unembedding parameters (Adam)", "Optimization",
+                                    resume=SAME)
+    weight_decay: float = setting(0.2, "cautious weight decay for the Muon optimizer (for weights)", "Optimization",
+                                  resume=SAME)
+    matrix_lr: float = setting(0.02, "learning rate for matrix parameters (Muon)", "Optimization", resume=SAME)
+    scalar_lr: float = setting(0.5, "learning rate for scalars (resid_lambdas, x0_lambdas)", "Optimization",
+                               resume=SAME)
+    adam_beta1: float = setting(0.8, "Adam beta1 for embedding/unembedding", "Optimization", resume=SAME)
+    adam_beta2: float = setting(0.95, "Adam beta2 for embedding/unembedding", "Optimization", resume=SAME)
+    warmup_ratio: float = setting(0.0, "ratio of iterations for LR warmup", "Optimization", resume=SAME)
+    warmup_steps: int = setting(0, "number of steps for LR warmup", "Optimization", recipes=("92d63d4",), resume=SAME)
+    warmdown_ratio: float = setting(0.4, "ratio of iterations for LR warmdown", "Optimization", resume=SAME)
+    final_lr_frac: float = setting(0.0, "final LR as fraction of initial LR", "Optimization", resume=SAME)
     resume_from_step: int | str = setting(-1, "resume training from this step (-1 = disable, 'latest' = newest "
                                           "complete checkpoint, or a fresh start if there is none)", "Optimization",
-                                          parse=parse_resume_step)
+                                          parse=parse_resume_step, resume=FREE)
     init_from: str | None = setting(None, "start a new run from these weights: a jaxchat run directory (its newest "
                                     "step) or step directory, or nanochat's model_<step>.pt with its meta_<step>.json "
                                     "beside it; optimizer, schedule, data and step start anew", "Optimization",
-                                    nanochat=False)
+                                    nanochat=False, resume=FREE)
     # Evaluation
-    eval_every: int = setting(250, "evaluate val bpb every N steps (-1 = disable)", "Evaluation", off="off")
-    eval_tokens: int = setting(20 * 524288, "number of tokens to evaluate val loss on", "Evaluation")
-    core_metric_every: int = setting(2000, "evaluate CORE metric every N steps (-1 = disable)", "Evaluation", off="off")
-    core_metric_max_per_task: int = setting(500, "examples per task for CORE metric", "Evaluation")
-    sample_every: int = setting(2000, "sample from model every N steps (-1 = disable)", "Evaluation", off="off")
-    save_every: int = setting(-1, "save checkpoints every N steps (-1 = only at end)", "Evaluation", off="off")
+    eval_every: int = setting(250, "evaluate val bpb every N steps (-1 = disable)", "Evaluation", off="off",
+                              resume=FREE)
+    eval_tokens: int = setting(20 * 524288, "number of tokens to evaluate val loss on", "Evaluation", resume=FREE)
+    core_metric_every: int = setting(2000, "evaluate CORE metric every N steps (-1 = disable)", "Evaluation",
+                                     off="off", resume=FREE)
+    core_metric_max_per_task: int = setting(500, "examples per task for CORE metric", "Evaluation", resume=FREE)
+    sample_every: int = setting(2000, "sample from model every N steps (-1 = disable)", "Evaluation", off="off",
+                                resume=FREE)
+    save_every: int = setting(-1, "save checkpoints every N steps (-1 = only at end)", "Evaluation", off="off",
+                              resume=FREE)
     # Output
-    model_tag: str | None = setting(None, "override model tag for checkpoint directory name", "Output")
+    model_tag: str | None = setting(None, "override model tag for checkpoint directory name", "Output", resume=FREE)
     overwrite: bool = setting(False, "replace the checkpoints of an earlier run under this model tag, or with "
                               "--resume-from-step N the steps newer than N (set aside, deleted once this run's first "
-                              "checkpoint is complete)", "Output", nanochat=False)
+                              "checkpoint is complete)", "Output", nanochat=False, resume=FREE)
     no_lock: bool = setting(False, "write the run directory without its lock, on filesystems that have none (then make "
-                            "sure that one run writes there at a time)", "Output", nanochat=False)
+                            "sure that one run writes there at a time)", "Output", nanochat=False, resume=FREE)
     # JAX only
-    num_devices: int = setting(-1, "devices in the mesh, over all processes (-1 = all)", "JAX", nanochat=False, off="all")
+    num_devices: int = setting(-1, "devices in the mesh, over all processes (-1 = all)", "JAX", nanochat=False,
+                               off="all", resume=FREE)
     fsdp: bool = setting(False, "shard parameters over the data axis too (ZeRO-3), for depths whose state does "
-                         "not fit", "JAX", nanochat=False)
+                         "not fit", "JAX", nanochat=False, resume=FREE)
     data_dir: str | None = setting(None, "parquet shards (default: the recipe corpus's, <base_dir>/base_data or "
-                                   "<base_dir>/base_data_climbmix)", "JAX", nanochat=False)
-    seed: int = setting(42, "seed of the model initialisation", "JAX", nanochat=False)
-    keep_checkpoints: int = setting(-1, "keep only the newest N checkpoints (-1 = all)", "JAX", nanochat=False, off="all")
+                                   "<base_dir>/base_data_climbmix)", "JAX", nanochat=False, resume=FREE)
+    seed: int = setting(42, "seed of the model initialisation", "JAX", nanochat=False, resume=FREE)
+    keep_checkpoints: int = setting(-1, "keep only the newest N checkpoints (-1 = all)", "JAX", nanochat=False,
+                                    off="all", resume=FREE)
     attention: str = setting("auto", "attention kernel (auto: splash on TPUs, cudnn on NVIDIA GPUs, "
-                             "xla elsewhere)", "JAX", nanochat=False, choices=("auto", "cudnn", "splash", "xla"))
+                             "xla elsewhere)", "JAX", nanochat=False, choices=("auto", "cudnn", "splash", "xla"),
+                             resume=FREE)
     heartbeat_timeout: int = setting(HEARTBEAT_TIMEOUT_S, "seconds without a heartbeat after which the coordination "
                                      "service declares a process of a multi-process run lost and ends the others",
-                                     "JAX", nanochat=False, positive=True)
+                                     "JAX", nanochat=False, positive=True, resume=FREE)
     profile_steps: str | None = setting(None, "trace steps A..B-1 (A:B, as a Python slice) with jax.profiler into "
                                         "<base_dir>/profiles/<model_tag>, for XProf or Perfetto (jaxchat.profiling)",
-                                        "JAX", nanochat=False)
-    loader_workers: int = setting(4, "threads reading and tokenising data", "JAX", nanochat=False)
+                                        "JAX", nanochat=False, resume=FREE)
+    loader_workers: int = setting(4, "threads reading and tokenising data", "JAX", nanochat=False, resume=FREE)
     remat: str = setting("auto", "what each block keeps for the backward pass: everything, matmul outputs, or its "
                          "input only (auto: the first of none, dots, block whose estimated memory fits the device, "
-                         "jaxchat.footprint)", "JAX", nanochat=False, choices=("auto", *REMAT_POLICIES))
+                         "jaxchat.footprint)", "JAX", nanochat=False, choices=("auto", *REMAT_POLICIES), resume=FREE)
     loss_chunk_len: int = setting(128, "positions per chunk of the loss head (float32 logits of one chunk at a "
-                                  "time)", "JAX", nanochat=False, positive=True)
+                                  "time)", "JAX", nanochat=False, positive=True, resume=FREE)
     # library callers only (the benchmarks): None is bfloat16 on accelerators, float32 on CPU
-    compute_dtype: str | None = setting(None, "compute dtype of the model", "JAX", nanochat=False, cli=False)
+    compute_dtype: str | None = setting(None, "compute dtype of the model", "JAX", nanochat=False, cli=False,
+                                        resume=DTYPE)
     # set by jaxchat.run.build_run when it resolves --remat auto: what was asked, beside what runs (remat)
-    remat_asked: str | None = setting(None, "the --remat asked when it was resolved", "JAX", nanochat=False, cli=False)
+    remat_asked: str | None = setting(None, "the --remat asked when it was resolved", "JAX", nanochat=False, cli=False,
+                                      resume=FREE)
 
     def __post_init__(self):
         self.check()
@@ -333,6 +364,31 @@ def _check_recipe_has(recipe: Recipe, name: str) -> None:
     if owners is not None and recipe.name not in owners:
         raise SettingsError(f"{flag_name(name)} is not a setting of recipe {recipe.name}: it belongs to recipe(s) "
                             f"{', '.join(owners)} (--recipe)")
+
+
+def resume_difference(meta: dict, settings: RunSettings, resolved: Mapping[str, Any]) -> str | None:
+    """How a resumed run (`settings`, resolving to `resolved`: jaxchat.run.Run.resolved) differs in its maths from
+    the run that saved a checkpoint (its meta): the first difference, as 'what: the checkpoint's X, this run's Y',
+    or None. The model's settings are check_compatible's. A checkpoint saved before a resolved value was recorded
+    is compared on what it holds: the flag of the same name, where it was given (not -1, automatic)."""
+    saved = meta.get("user_config") or {}
+    for field in dataclasses.fields(settings):
+        ours = getattr(settings, field.name)
+        if field.metadata["resume"] == SAME and field.name in saved and saved[field.name] != ours:
+            return f"{flag_name(field.name)}: the checkpoint's {saved[field.name]!r}, this run's {ours!r}"
+    for name, what in RESOLVED.items():
+        theirs = meta.get(name)
+        if theirs is None and saved.get(name, -1) != -1:
+            theirs = saved[name]
+        if theirs is not None and theirs != resolved[name]:
+            return f"{what} ({_resolved_from(name)}): the checkpoint's {theirs}, this run's {resolved[name]}"
+    if meta["step"] > resolved[HORIZON]:  # a checkpoint that records no horizon (the others differ above)
+        return f"step {meta['step']} is past this run's horizon of {resolved[HORIZON]} steps ({_resolved_from(HORIZON)})"
+    return None
+
+
+def _resolved_from(name: str) -> str:
+    return "from " + ", ".join(flag_name(f.name) for f in cli_fields() if f.metadata["resume"] == name)
 
 
 def settings_from_flags(namespace: argparse.Namespace) -> RunSettings:

@@ -44,6 +44,16 @@ TOKEN_BYTES_FILE = "token_bytes.npy"
 TRAIN_COMMAND = "python -m scripts.tok_train"
 
 
+class TokenizerError(ValueError):
+    """A tokenizer file that is there but cannot be read (cut short, edited): the message names it and what to do."""
+
+
+def _unreadable(path: str, reason: str) -> TokenizerError:
+    return TokenizerError(
+        f"{path} cannot be read ({reason}): restore it from a copy of this tokenizer, or train a new one with "
+        f"`{TRAIN_COMMAND}` (checkpoints trained with the old one will not load with a new one)")
+
+
 class Tokenizer:
     """tiktoken encoding built from merge ranks (token bytes -> rank = id) plus special tokens after them."""
 
@@ -152,14 +162,24 @@ class Tokenizer:
             if not os.path.exists(path):
                 raise FileNotFoundError(f"no tokenizer at {tokenizer_dir} ({os.path.basename(path)} is missing)"
                                         f"{base_dir_hint(path)}; train one with `{TRAIN_COMMAND}`")
-        with open(config_path, encoding="utf-8") as f:
-            config = json.load(f)
+        try:
+            with open(config_path, encoding="utf-8") as f:
+                config = json.load(f)
+            names = sorted(config["special_tokens"], key=config["special_tokens"].get)
+            pattern = config["pattern"]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # cut short or edited: not our JSON
+            raise _unreadable(config_path, f"{type(e).__name__}: {e}") from None
         ranks = _read_ranks(ranks_path)
-        # Special ids are implied by their order after the merges; a file that disagrees is not ours.
-        names = sorted(config["special_tokens"], key=config["special_tokens"].get)
-        tokenizer = cls(ranks, config["pattern"], names)
+        if not ranks:
+            raise _unreadable(ranks_path, "it holds no merge ranks")
+        try:
+            tokenizer = cls(ranks, pattern, names)
+        except ValueError as e:  # ranks that are not 0..n-1: a file cut mid-line
+            raise _unreadable(ranks_path, str(e)) from None
+        # Special ids are implied by their order after the merges: a ranks file cut at a line's end disagrees
         if tokenizer.special_tokens != config["special_tokens"]:
-            raise ValueError(f"{config_path}: special token ids must follow the {len(ranks)} merge ranks in order")
+            raise _unreadable(ranks_path, f"{len(ranks)} merge ranks, but {config_path} numbers its special tokens "
+                                         "after another count")
         return tokenizer
 
 
@@ -180,8 +200,8 @@ def _read_ranks(path: str) -> dict[bytes, int]:
             try:
                 token, rank = line.split()
                 ranks[base64.b64decode(token, validate=True)] = int(rank)
-            except ValueError as e:
-                raise ValueError(f"{path}:{line_number}: not a '<base64> <rank>' line: {line[:80]!r}") from e
+            except ValueError:
+                raise _unreadable(path, f"line {line_number} is not a '<base64> <rank>' line: {line[:80]!r}") from None
     return ranks
 
 
@@ -199,4 +219,7 @@ def get_token_bytes(tokenizer_dir: str | None = None) -> np.ndarray:
     path = os.path.join(tokenizer_dir or default_tokenizer_dir(), TOKEN_BYTES_FILE)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} is missing{base_dir_hint(path)}; train the tokenizer with `{TRAIN_COMMAND}`")
-    return np.load(path, allow_pickle=False)
+    try:
+        return np.load(path, allow_pickle=False)
+    except (ValueError, EOFError) as e:  # cut short: numpy says how much of the array it found
+        raise _unreadable(path, f"{type(e).__name__}: {e}") from None

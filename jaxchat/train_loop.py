@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxchat.checkpoint_meta import CheckpointMismatchError
 from jaxchat.common import print0
 from jaxchat.mesh import DATA_AXIS
 
@@ -58,8 +59,20 @@ class LoopState:
                                "total_training_time": self.total_training_time}}
 
     @classmethod
-    def from_meta(cls, meta: dict) -> "LoopState":
-        return cls(step=meta["step"], val_bpb=meta["val_bpb"], **meta["loop_state"])
+    def from_meta(cls, meta: dict, where: str = "the checkpoint's meta") -> "LoopState":
+        """The state to_meta saved; CheckpointMismatchError, one line naming `where` (the meta file), if any of
+        it is missing (scripts.train saves all of it: a file another program wrote or cut)."""
+        fields = cls().to_meta()
+        missing = [key for key in fields if key not in meta]
+        if "loop_state" not in missing:
+            missing += [f"loop_state.{key}" for key in fields["loop_state"] if key not in (meta["loop_state"] or {})]
+        if missing:
+            raise CheckpointMismatchError(
+                f"{where} lacks {', '.join(missing)}, the training loop's state that a resumed run continues from: "
+                "restore that file, resume another step (--resume-from-step N), or start a new run from these "
+                "weights with --init-from <that step's directory> --model-tag <a new tag>")
+        return cls(step=meta["step"], val_bpb=meta["val_bpb"],
+                   **{key: meta["loop_state"][key] for key in fields["loop_state"]})
 
 
 @dataclasses.dataclass(frozen=True)

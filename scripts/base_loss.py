@@ -42,7 +42,10 @@ def main(argv: list[str] | None = None) -> None:
              f"({args.device_batch_size * seq_len * jax.device_count()} tokens)")
     print0(f"Evaluating {model_tag} step {meta['step']}: {steps} batches of {args.device_batch_size} x {seq_len} "
            f"tokens per device per split")
-    token_bytes = get_token_bytes()
+    try:
+        token_bytes = get_token_bytes()
+    except LOAD_ERRORS as e:  # missing or cut short
+        fail(str(e))
     where = (jax.process_index(), jax.process_count())
     bpb = {}
     for split in ("train", "val"):

@@ -275,7 +275,7 @@ def main_decode(args: argparse.Namespace) -> list[dict]:
 
 def main_loader(args: argparse.Namespace) -> list[dict]:
     from jaxchat import dataset, local_corpus
-    from jaxchat.tokenizer import Tokenizer, get_tokenizer
+    from jaxchat.tokenizer import Tokenizer, TokenizerError, get_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.builtin:
@@ -290,7 +290,10 @@ def main_loader(args: argparse.Namespace) -> list[dict]:
                   f"{tokenizer.get_vocab_size()} tokens trained in {time.perf_counter() - start:.1f}s")
             data_dir = tmp
         else:
-            tokenizer, data_dir = get_tokenizer(args.tokenizer_dir), args.data_dir
+            try:
+                tokenizer, data_dir = get_tokenizer(args.tokenizer_dir), args.data_dir
+            except (FileNotFoundError, TokenizerError) as e:  # missing, or cut short
+                fail(str(e))
         print(f"T={args.seq_len}, batch {args.grad_accum} x {args.batch_size} rows, buffer {args.buffer_docs} docs, "
               f"{args.batches} batches per setting, 1 process")
         results = [bench_loader(tokenizer, data_dir, seq_len=args.seq_len, batch_size=args.batch_size,

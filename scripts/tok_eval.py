@@ -10,9 +10,10 @@ import socket
 
 import tiktoken
 
+from jaxchat.common import fail
 from jaxchat.shards import list_row_groups, read_row_group
 from jaxchat.report import Label, Section, get_report
-from jaxchat.tokenizer import get_tokenizer
+from jaxchat.tokenizer import TokenizerError, get_tokenizer
 
 PROSE = """\
 The lighthouse keeper kept a logbook for forty-one years. Most entries were short: the wind's direction,
@@ -86,7 +87,10 @@ texts = {
     "non-English": NON_ENGLISH,
 }
 
-ours = get_tokenizer()
+try:
+    ours = get_tokenizer()
+except (FileNotFoundError, TokenizerError) as e:  # missing, or cut short
+    fail(str(e))
 encoders = {"ours": ours.encode}
 baselines = {} if args.no_compare else {"GPT-2": "gpt2", "GPT-4": "cl100k_base"}
 notes = []

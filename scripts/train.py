@@ -147,7 +147,7 @@ def build(settings: RunSettings, gpu_defaults_set: list[str] | None) -> tuple[Ru
     from jaxchat.core_eval import download_eval_bundle
     from jaxchat.huge_pages import huge_pages_note
     from jaxchat.run import build_run, make_layout
-    from jaxchat.tokenizer import get_token_bytes, get_tokenizer
+    from jaxchat.tokenizer import TokenizerError, get_token_bytes, get_tokenizer
 
     layout = make_layout(settings)  # a batch that does not divide fails before any loading
     device = layout.mesh.devices.flat[0]
@@ -167,7 +167,7 @@ def build(settings: RunSettings, gpu_defaults_set: list[str] | None) -> tuple[Ru
             fail(f"{e}\nOr train without CORE: --core-metric-every=-1 (then run scripts.base_eval on the checkpoint)")
     try:
         tokenizer, token_bytes = get_tokenizer(), get_token_bytes()
-    except FileNotFoundError as e:
+    except (FileNotFoundError, TokenizerError) as e:
         fail(str(e))
     run = build_run(settings, tokenizer.get_vocab_size(), layout=layout, print_fn=print0)
     return run, tokenizer, token_bytes
@@ -252,7 +252,8 @@ def start_state(settings: RunSettings, run: Run, tokenizer: Tokenizer, checkpoin
             print0(f"--init-from {settings.init_from} is not used: this run has checkpoints, and resumes from them")
         state.params, state.opt_state, meta = checkpointer.restore(
             plan.resume, state.params, state.opt_state, state.param_shardings, state.opt_shardings,
-            data_iter=train_loader, model_config=run.config, tokenizer=tokenizer)
+            data_iter=train_loader, model_config=run.config, tokenizer=tokenizer,
+            check_meta=lambda meta: run.check_resume(meta, checkpointer.directory))  # before any array is read
         loop = LoopState.from_meta(meta)
         print0(f"Resumed optimization from step {loop.step}")
         return state, loop
@@ -271,7 +272,7 @@ def save(s: Session, step: int) -> None:
 
     s.logger.write_curve(s.report)
     s.checkpointer.save(step, s.state.params, s.state.opt_state, s.train_loader,
-                        training_meta(s.loop.to_meta(), s.run.config, s.settings, s.tokenizer))
+                        training_meta(s.loop.to_meta(), s.run, s.tokenizer))
 
 
 def evaluate_val(s: Session, step: int) -> None:

@@ -3,6 +3,8 @@ Its step-0 loss is the source model's loss on the same batch; a bad path or anot
 line. scripts.train runs in this process (main(argv)), on one of the virtual CPU devices; marked slow all the
 same: the module trains and compiles six short runs (about 90 s on a loaded 2-core machine)."""
 
+import glob
+import json
 import os
 import re
 import shutil
@@ -123,6 +125,35 @@ def test_a_resumed_run_says_it_does_not_use_init_from(source, monkeypatch, capsy
                        f"--init-from={source / 'nowhere'}"])
     out = capsys.readouterr().out
     assert f"--init-from {source / 'nowhere'} is not used: this run has checkpoints, and resumes from them" in out
+
+
+def test_a_resume_that_would_change_the_maths_is_refused_in_one_line_saying_how_to_start_anew(source, monkeypatch,
+                                                                                               capsys):
+    """Run 'src' (2 steps of 256 tokens) resumed with another total batch, a longer horizon (after its last step) or
+    a shorter one (its step 2 past it): status 2 and one line naming the setting, both values and the --init-from
+    that starts a new run from those weights, before any array is read; nothing in the run directory changes.
+    The meta records what the flags resolved to."""
+    run_dir = source / "base_checkpoints" / "src"
+    meta = json.loads((run_dir / "2" / "meta" / "metadata").read_text())
+    assert (meta["total_batch_size"], meta["num_iterations"], meta["compute_dtype"]) == (256, 2, "float32")
+    files = lambda: {path: os.path.getmtime(path)  # noqa: E731 -- every step's files (run.lock is each start's)
+                     for path in glob.glob(str(run_dir / "[0-9]*" / "**"), recursive=True)}
+    before = files()
+    monkeypatch.setenv("JAXCHAT_BASE_DIR", str(source))
+    horizon = "the horizon in steps (from --num-iterations, --target-flops, --target-param-data-ratio)"
+    for flags, difference in ((["--num-iterations=2", "--total-batch-size=512"],
+                               "the total batch size (from --total-batch-size): the checkpoint's 256, this run's 512"),
+                              (["--num-iterations=3"], f"{horizon}: the checkpoint's 2, this run's 3"),
+                              (["--num-iterations=1"], f"{horizon}: the checkpoint's 2, this run's 1")):
+        with pytest.raises(SystemExit) as stopped:
+            train_script.main([*FLAGS, *flags, "--model-tag=src", "--resume-from-step=latest"])
+        assert stopped.value.code == 2
+        err = capsys.readouterr().err
+        assert err == (f"error: checkpoint step 2 in {run_dir} was saved by a run with other settings: {difference}. "
+                       "A resumed run keeps its checkpoint's settings (README: Training flags): resume with that run's "
+                       f"own, or start a new run from these weights with --init-from {run_dir / '2'} --model-tag "
+                       "<a new tag> in place of --resume-from-step\n")
+    assert files() == before
 
 
 @pytest.mark.parametrize("tokenizer", ["another", "none"])

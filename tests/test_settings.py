@@ -12,8 +12,8 @@ from jaxchat import settings as settings_module
 from jaxchat.dataloader import make_train_loader
 from jaxchat.gpt import GPTConfig
 from jaxchat.optim import setup_optimizer
-from jaxchat.settings import (DEFAULT_RECIPE, Recipe, RunSettings, SettingsError, cli_fields, flag_name,
-                              parse_settings)
+from jaxchat.settings import (DEFAULT_RECIPE, FREE, MODEL, RESOLVED, SAME, Recipe, RunSettings, SettingsError,
+                              cli_fields, flag_name, parse_settings, resume_difference)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -128,3 +128,70 @@ def test_settings_are_checked_when_built_even_by_library_callers():
     with pytest.raises(SettingsError, match="--remat 'all': use one of auto, none, dots, block"):
         RunSettings(remat="all")
     assert dataclasses.replace(RunSettings(), depth=4).depth == 4
+
+
+def test_every_setting_says_how_a_resume_compares_it_and_the_readme_lists_them():
+    """Each field is classified (FREE, SAME, MODEL or a resolved value), and the README's two lists under Training
+    flags are exactly the command line's flags of each kind."""
+    for field in dataclasses.fields(RunSettings):
+        assert field.metadata["resume"] in (FREE, SAME, MODEL, *RESOLVED), field.name
+    readme = read("README.md").split("## Training flags")[1].split("\n## ")[0]
+    listed = {kind: re.search(rf"^- {kind} on resume\b(.*?)(?=^- |^$)", readme, re.M | re.S).group(1)
+              for kind in ("kept", "free to change")}
+    listed = {kind: sorted(re.findall(r"`(--[a-z0-9-]+)`", text.split(": ", 1)[1])) for kind, text in listed.items()}
+    fields = cli_fields()
+    assert listed["kept"] == sorted(flag_name(f.name) for f in fields if f.metadata["resume"] != FREE)
+    assert listed["free to change"] == sorted(flag_name(f.name) for f in fields if f.metadata["resume"] == FREE)
+
+
+def saved_meta(settings: RunSettings, step: int = 6, **resolved) -> dict:
+    """A checkpoint's meta as scripts.train saves it (the parts resume_difference reads)."""
+    return {"step": step, "user_config": settings.user_config(), **resolved}
+
+
+SAVED = RunSettings(total_batch_size=1024, num_iterations=6, matrix_lr=0.02)
+RESOLVED_SAVED = {"total_batch_size": 1024, "num_iterations": 6, "compute_dtype": "float32"}
+
+
+@pytest.mark.parametrize("changed, resolved, difference", [
+    ({}, {}, None),
+    # the maths: a batch, a horizon extended after the last step or cut before the checkpoint, a rate, the dtype
+    ({"total_batch_size": 2048}, {"total_batch_size": 2048},
+     "the total batch size (from --total-batch-size): the checkpoint's 1024, this run's 2048"),
+    ({"num_iterations": 10}, {"num_iterations": 10}, "the horizon in steps (from --num-iterations, --target-flops, "
+                                                     "--target-param-data-ratio): the checkpoint's 6, this run's 10"),
+    ({"num_iterations": 4}, {"num_iterations": 4}, "the horizon in steps (from --num-iterations, --target-flops, "
+                                                   "--target-param-data-ratio): the checkpoint's 6, this run's 4"),
+    ({"matrix_lr": 0.04}, {}, "--matrix-lr: the checkpoint's 0.02, this run's 0.04"),
+    ({"warmdown_ratio": 0.5}, {}, "--warmdown-ratio: the checkpoint's 0.4, this run's 0.5"),
+    ({"device_type": "cuda"}, {"compute_dtype": "bfloat16"},
+     "the compute dtype (from --device-type): the checkpoint's float32, this run's bfloat16"),
+    # resolved values compare, not flags: a horizon from the data:param ratio that gives the same steps, the
+    # automatic batch's number given explicitly, another device type of the same dtype
+    ({"num_iterations": -1, "target_param_data_ratio": 9.5}, {}, None),
+    ({"device_type": "cpu"}, {}, None),
+    # what changes no maths
+    ({"device_batch_size": 4, "eval_every": 1, "save_every": 2, "sample_every": -1, "remat": "block", "seed": 7,
+      "attention": "xla", "num_devices": 1, "loader_workers": 1, "model_tag": "x", "resume_from_step": "latest",
+      "fsdp": True, "run": "wandb"}, {}, None),
+])
+def test_a_resume_is_compared_on_what_changes_the_maths(changed, resolved, difference):
+    ours = dataclasses.replace(SAVED, **changed)
+    assert resume_difference(saved_meta(SAVED, **RESOLVED_SAVED), ours, {**RESOLVED_SAVED, **resolved}) == difference
+
+
+def test_a_checkpoint_from_before_the_resolved_values_is_compared_on_what_it_holds():
+    """No resolved values recorded: a batch or horizon given as a flag is its own resolved value; an automatic one
+    (-1) is not compared, nor a flag its user_config lacks; a step past this run's horizon is refused all the same."""
+    old = saved_meta(SAVED)
+    assert resume_difference(old, SAVED, RESOLVED_SAVED) is None
+    assert resume_difference(old, SAVED, {**RESOLVED_SAVED, "total_batch_size": 512}) == \
+        "the total batch size (from --total-batch-size): the checkpoint's 1024, this run's 512"
+    by_ratio = RunSettings(total_batch_size=1024)  # the horizon from the data:param ratio (num_iterations -1)
+    older = {**saved_meta(by_ratio), "user_config": {k: v for k, v in by_ratio.user_config().items() if k != "warmup_steps"}}
+    assert resume_difference(older, dataclasses.replace(by_ratio, num_iterations=8), {**RESOLVED_SAVED,
+                                                                                     "num_iterations": 8}) is None
+    assert resume_difference(older, dataclasses.replace(by_ratio, num_iterations=4), {**RESOLVED_SAVED,
+                                                                                     "num_iterations": 4}) == \
+        ("step 6 is past this run's horizon of 4 steps (from --num-iterations, --target-flops, "
+         "--target-param-data-ratio)")

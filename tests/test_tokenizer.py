@@ -10,7 +10,7 @@ import pytest
 import regex
 
 from jaxchat.tokenizer import (CONFIG_FILE, RANKS_FILE, SPECIAL_TOKENS, SPLIT_PATTERN, TOKEN_BYTES_FILE,
-                               Tokenizer, get_token_bytes, get_tokenizer)
+                               Tokenizer, TokenizerError, get_token_bytes, get_tokenizer)
 
 VOCAB_SIZE = 512
 
@@ -219,8 +219,57 @@ def test_loading_refuses_pickles_and_malformed_files(tokenizer, tmp_path):
         get_token_bytes(str(tmp_path))
     lines = (tmp_path / RANKS_FILE).read_bytes().splitlines(keepends=True)
     (tmp_path / RANKS_FILE).write_bytes(b"".join(lines[:3]) + b"not-base64!! x\n" + b"".join(lines[3:]))
-    with pytest.raises(ValueError, match=f"{RANKS_FILE}:4"):
+    with pytest.raises(ValueError, match=f"{RANKS_FILE} cannot be read \\(line 4 is not"):
         get_tokenizer(str(tmp_path))
     (tmp_path / RANKS_FILE).write_bytes(b"".join(lines[:3] + lines[4:]))  # a gap in the ranks
     with pytest.raises(ValueError, match="0..n-1"):
         get_tokenizer(str(tmp_path))
+
+
+TO_DO = "restore it from a copy of this tokenizer, or train a new one with `python -m scripts.tok_train`"
+
+
+def cut_short(path, keep: float) -> None:
+    path.write_bytes(path.read_bytes()[:int(keep * path.stat().st_size)])
+
+
+@pytest.mark.parametrize("name", [CONFIG_FILE, RANKS_FILE, TOKEN_BYTES_FILE])
+@pytest.mark.parametrize("keep", [0.0, 0.5])
+def test_a_file_cut_short_is_one_line_naming_it_and_what_to_do(tokenizer, tmp_path, name, keep):
+    tokenizer.save(str(tmp_path))
+    cut_short(tmp_path / name, keep)
+    with pytest.raises(TokenizerError) as info:
+        get_tokenizer(str(tmp_path)), get_token_bytes(str(tmp_path))
+    message = str(info.value)
+    assert message.startswith(f"{tmp_path / name} cannot be read (") and TO_DO in message and "\n" not in message
+
+
+def test_a_ranks_file_cut_at_a_line_end_is_told_apart_by_the_special_tokens(tokenizer, tmp_path):
+    """Whole lines, ranks 0..k-1: a valid smaller vocabulary, but tokenizer.json numbers the special tokens after
+    all of them."""
+    tokenizer.save(str(tmp_path))
+    lines = (tmp_path / RANKS_FILE).read_bytes().splitlines(keepends=True)
+    (tmp_path / RANKS_FILE).write_bytes(b"".join(lines[:300]))
+    with pytest.raises(TokenizerError, match=f"{RANKS_FILE} cannot be read \\(300 merge ranks, but .*{CONFIG_FILE} "
+                                             "numbers its special tokens after another count\\)"):
+        get_tokenizer(str(tmp_path))
+
+
+@pytest.mark.parametrize("script", ["train", "sample"])
+def test_the_scripts_stop_on_a_cut_tokenizer_with_that_line(tokenizer, tmp_path, monkeypatch, capsys, script):
+    """scripts.train (before any data or compute) and the scripts that load a saved model (scripts.sample here;
+    base_eval and base_loss share its loader): status 2 and the one line, no traceback."""
+    from scripts import sample, train
+
+    tokenizer.save(str(tmp_path / "tokenizer"))
+    cut_short(tmp_path / "tokenizer" / CONFIG_FILE, 0.5)
+    monkeypatch.setenv("JAXCHAT_BASE_DIR", str(tmp_path))
+    argv = {"train": ["--depth=2", "--max-seq-len=64", "--device-batch-size=1", "--total-batch-size=64",
+                      "--num-devices=1", "--device-type=cpu", "--core-metric-every=-1"],
+            "sample": ["-p", "x", "--device-type=cpu"]}[script]
+    with pytest.raises(SystemExit) as stopped:
+        {"train": train, "sample": sample}[script].main(argv)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'tokenizer' / CONFIG_FILE} cannot be read (JSONDecodeError: ") and \
+        TO_DO in err and err.count("\n") == 1, err

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from jaxchat.checkpoint_meta import CheckpointMismatchError
 from jaxchat.settings import RunSettings
 from jaxchat.train_loop import TIMING_WARMUP_STEPS, LoopPolicy, LoopState, timed_steps
 
@@ -53,3 +54,16 @@ def test_loop_state_round_trips_through_json_meta():
     meta = json.loads(json.dumps(state.to_meta()))
     assert LoopState.from_meta(meta) == state
     assert meta["step"] == 7 and meta["val_bpb"] == 1.25  # nanochat's top-level fields
+
+
+@pytest.mark.parametrize("drop, lacks", [("loop_state", "lacks loop_state,"),
+                                         ("smooth_train_loss", "lacks loop_state.smooth_train_loss,")])
+def test_a_meta_without_the_loop_state_is_one_line_naming_the_file(drop, lacks):
+    meta = json.loads(json.dumps(LoopState(step=7).to_meta()))
+    del (meta if drop == "loop_state" else meta["loop_state"])[drop]
+    with pytest.raises(CheckpointMismatchError) as info:
+        LoopState.from_meta(meta, where="run/7/meta/metadata")
+    message = str(info.value)
+    assert message.startswith(f"run/7/meta/metadata {lacks} the training loop's state") and "\n" not in message
+    assert "restore that file, resume another step (--resume-from-step N), or start a new run from these weights " \
+           "with --init-from <that step's directory> --model-tag <a new tag>" in message
