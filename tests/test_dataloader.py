@@ -6,6 +6,7 @@ exact resume, Orbax round trip, process shards, the validation loader, and the e
 
 import json
 import os
+import re
 
 import grain
 import numpy as np
@@ -306,7 +307,7 @@ def test_state_from_other_data_is_refused(tokenizer, small_data_dir, data_dir, o
         resumed = make_loader(tokenizer, data_dir)
     else:
         resumed = make_loader(tokenizer, small_data_dir, process_count=2)
-    with pytest.raises(ValueError, match="same data and number of processes"):
+    with pytest.raises(dataloader.DataStateMismatchError, match="same data and number of processes"):
         resumed.set_state(state)
     resumed.close()
 
@@ -351,3 +352,25 @@ def test_corrupt_shard_error_names_the_file(tokenizer, tmp_path, corpus_document
     with pytest.raises(shards.CorruptShardError, match=broken):
         next(loader)
     loader.close()
+
+
+@pytest.mark.slow  # (in this process, but it compiles a d2 step: ~10 s)
+def test_a_corrupt_row_group_met_while_training_is_one_line(tmp_path, make_base_dir, monkeypatch, capsys):
+    """Issue 48 item 11: a shard whose row groups were garbled in place (its footer intact, so the run starts)
+    stopped scripts.train with CorruptShardError's traceback; now one line naming the file and row group."""
+    from scripts import train as train_script
+
+    base = make_base_dir(tmp_path / "base")
+    broken = base / "base_data" / shards.shard_filename(0)
+    with open(broken, "r+b") as f:  # as test_corrupt_shard_error_names_the_file: the data pages, not the footer
+        f.seek(4)
+        f.write(np.random.default_rng(0).bytes(os.path.getsize(broken) // 2))
+    monkeypatch.setenv("JAXCHAT_BASE_DIR", str(base))
+    with pytest.raises(SystemExit) as stopped:
+        train_script.main(["--depth=2", "--max-seq-len=64", "--device-batch-size=4", "--total-batch-size=256",
+                           "--num-devices=1", "--num-iterations=2", "--eval-every=-1", "--core-metric-every=-1",
+                           "--sample-every=-1", "--loader-workers=1", "--device-type=cpu"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(rf"error: {re.escape(str(broken))}: row group 0 is unreadable \(.*\); delete the file and "
+                        r"fetch or build it again\n", err), err
