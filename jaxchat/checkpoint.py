@@ -18,9 +18,11 @@ Nothing a user has trained is deleted by a message's advice, a typo or two proce
   0) from its start to close(); a second run on it stops at once.
 - Orbax writes a step under a temporary name and renames it when complete: an interrupted save never
   looks like a step.
-- A step is damaged only when its files prove it (jaxchat.checkpoint_damage); 'latest' skips it and keeps
-  it, and when the resumed run saves that number again it is moved into damaged/, never deleted. A read
-  that fails for any other reason (out of memory, an I/O error) stops the run and moves nothing.
+- A step is damaged only when its own files prove it (jaxchat.checkpoint_damage); 'latest' skips it, and a
+  training run moves it into damaged/ at once, where jaxchat never deletes it (so no later --overwrite start
+  takes it for complete). A read that fails for any other reason (out of memory, an I/O error) stops the run
+  and moves nothing. The data iterator's position is set apart from the arrays' restore: a shard the loader
+  cannot re-read is the data's error (jaxchat.shards.DataError, naming the file and row group), never damage.
 - A start decides once, before any compute, what it will do (plan_start): a new run where steps exist needs
   --overwrite, and so does resuming an older step than the newest complete one; the steps it would replace
   are set aside into replaced/ once the weights are read, and deleted only when the new run's first step
@@ -44,8 +46,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxchat import run_directory as rundir
-from jaxchat.checkpoint_damage import (error_reason, is_damage, read_step_meta, saved_structure, step_problem,
-                                       unreadable)
+from jaxchat.checkpoint_damage import (error_reason, is_damage, read_step_meta, reading_step_files, saved_structure,
+                                       step_problem, unreadable)
 from jaxchat.checkpoint_meta import (CHECKPOINTS_SUBDIR, LATEST, TRAINING_META_KEYS, CheckpointError,
                                      CheckpointMismatchError, IncompleteCheckpointError, NoCheckpointError,
                                      SaveFailedError, StepUnreadableError, check_compatible, check_model_tag,
@@ -54,6 +56,7 @@ from jaxchat.common import get_base_dir, key_name, print0
 from jaxchat.gpt import GPTConfig
 from jaxchat.multihost import decided_by_process_0, gathered
 from jaxchat.run_lock import RunLockError, acquire_run_lock
+from jaxchat.shards import DataError
 from jaxchat.staged_files import check_writable_dir
 
 # What every process raises alike when process 0 decided it (jaxchat.multihost.decided_by_process_0)
@@ -176,10 +179,10 @@ class RunCheckpoints:
         if read_only and not os.path.isdir(self.directory):
             raise rundir._no_checkpoints(self.directory)
         self._lock = None
+        self._read_only = read_only
         self._created = False  # this start made the directory: close() removes it if nothing was saved
         if not read_only:  # before anything in the directory is removed (Orbax's start-up cleaning below)
             self._created = self._take_directory(lock)
-        self._damaged: set[int] = set()  # steps found damaged, by any process
         self._replaced = False  # steps set aside in replaced/, until this run's first complete save
         self._saved = False
         self._saving: int | None = None  # the step of the save in flight
@@ -236,8 +239,7 @@ class RunCheckpoints:
         deleted once this run's first checkpoint is complete; damaged ones into damaged/, kept."""
         if not steps:
             return
-        moved = decided_by_process_0("set aside", lambda: rundir.set_aside(self.directory, list(steps), self._damaged),
-                                     SHARED_ERRORS)
+        moved = decided_by_process_0("set aside", lambda: rundir.set_aside(self.directory, list(steps)), SHARED_ERRORS)
         self._manager.reload()
         if moved["complete"]:
             print0(f"--overwrite: checkpoint step(s) {moved['complete']} are moved to "
@@ -281,8 +283,7 @@ class RunCheckpoints:
     def _clear_steps_from(self, step: int) -> None:
         """Makes room for `step`: damaged steps of that number or newer are moved into damaged/."""
         self._wait()
-        moved = decided_by_process_0("clear steps", lambda: rundir.clear_steps_from(self.directory, step, self._damaged),
-                                     SHARED_ERRORS)
+        moved = decided_by_process_0("clear steps", lambda: rundir.clear_steps_from(self.directory, step), SHARED_ERRORS)
         for damaged, target in moved:
             print0(f"Moved damaged checkpoint step {damaged} to {target} to save this run's step {step} (kept, not deleted)")
         self._manager.reload()
@@ -377,8 +378,11 @@ class RunCheckpoints:
         shardings: matching pytrees of NamedSharding (None: taken from the abstract leaves).
         abstract_opt_state=None restores the parameters only. With model_config/tokenizer, a checkpoint
         of another model or vocabulary is refused (CheckpointMismatchError); so is a step check_meta(meta) refuses
-        (raising a CheckpointError), before its arrays are read. A read that fails for a reason
-        that is not the step's raises StepUnreadableError: nothing is skipped."""
+        (raising a CheckpointError), before its arrays are read. A step found damaged is moved into damaged/ at
+        once (unless read_only: then it stays), so that no later start can take it for a complete one;
+        IncompleteCheckpointError for a numbered step. A read that fails for a reason that is not the step's
+        raises StepUnreadableError, and one of the data loader (a shard it re-reads) DataError: nothing is
+        skipped or moved."""
         self.wait()
         self._manager.reload()
         targets = {"params": _abstract_with_shardings(abstract_params, param_shardings)}
@@ -390,18 +394,31 @@ class RunCheckpoints:
             try:
                 restored = self._restore_step(candidate, targets, data_iter, model_config, tokenizer, check_meta)
             except IncompleteCheckpointError as e:
-                self._damaged.add(candidate)
+                kept = self._keep_damaged(candidate)
                 if step != LATEST:
-                    raise
-                print0(f"Skipping damaged {e} (kept there, not deleted)")
+                    raise IncompleteCheckpointError(f"{e}; {kept}") from e
+                print0(f"Skipping damaged {e}; {kept}")
                 skipped.append(candidate)
                 continue
             if skipped:
                 print0(f"Resuming from step {candidate}, the newest complete checkpoint (skipped {skipped})")
             return restored["params"], restored.get("opt_state"), restored["meta"]
+        kept = "kept there, not deleted" if self._read_only else \
+            f"moved to {os.path.join(self.directory, rundir.DAMAGED_SUBDIR)}, which jaxchat never deletes"
         raise NoCheckpointError(f"No complete checkpoint in {self.directory}: every step ({skipped}) is damaged "
-                                "(kept there, not deleted); to train anew, pick another --model-tag, or pass "
-                                "--overwrite instead of --resume-from-step (it keeps damaged steps in damaged/)")
+                                f"({kept}); to train anew, pick another --model-tag, or start a new run here (without "
+                                "--resume-from-step)")
+
+    def _keep_damaged(self, step: int) -> str:
+        """A training run moves a step it found damaged into damaged/ at once: the judgment (which may have needed
+        its arrays read) then outlives this process, and no --overwrite start sets the step aside as complete
+        and deletes it. A reader (read_only) leaves it. Returns what was done, for the message."""
+        if self._read_only:
+            return "kept there, not deleted"
+        moved, = decided_by_process_0(
+            "move damaged", lambda: rundir.move_steps(self.directory, [step], rundir.DAMAGED_SUBDIR), SHARED_ERRORS)
+        self._manager.reload()
+        return f"moved to {moved}, which jaxchat never deletes"
 
     def _checked_meta(self, step: int, targets: dict, data_iter, model_config, tokenizer, check_meta) -> dict:
         """Process 0's check of a step before every process reads its arrays: complete, of this model and
@@ -433,22 +450,32 @@ class RunCheckpoints:
         return meta
 
     def _restore_step(self, step: int, targets: dict, data_iter, model_config, tokenizer, check_meta) -> dict:
+        """The arrays of a step (Orbax), then the data iterator's position: the step's files are judged for damage,
+        the data loader's re-reading of shards apart (DataError, never damage)."""
         meta = decided_by_process_0("checked step", lambda: self._checked_meta(step, targets, data_iter, model_config,
                                                                               tokenizer, check_meta), SHARED_ERRORS)
         # strict=False lets Orbax pad (with zeros) or crop Muon's stacks to this run's padding; every other
         # shape was checked equal above
-        args = {item: ocp.args.StandardRestore(target, strict=item != "opt_state") for item, target in targets.items()}
+        args = ocp.args.Composite(**{item: ocp.args.StandardRestore(target, strict=item != "opt_state")
+                                     for item, target in targets.items()})
+        step_dir = os.path.join(self.directory, str(step))
+
+        def restore_arrays():
+            with reading_step_files(step_dir):  # Orbax reads nothing but the step's files here
+                return self._manager.restore(step, args=args)
+
+        # each process's own file first, agreed before Orbax's restore, which ends in a barrier of all processes
+        data_state = self._agree_on_outcome(step, "the data state",
+                                            lambda: None if data_iter is None else self._read_data_state(step))
+        restored = self._agree_on_outcome(step, "the arrays", restore_arrays)
         if data_iter is not None:
-            args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
-        # each process's own check first, agreed before Orbax's restore, which ends in a barrier of all processes
-        self._agree_on_outcome(step, "data state", lambda: data_iter is None or self._check_data_state(step))
-        restored = self._agree_on_outcome(step, "restore",
-                                          lambda: self._manager.restore(step, args=ocp.args.Composite(**args)))
+            self._agree_on_outcome(step, "the data position", lambda: _set_data_position(step, data_iter, data_state))
         return {"params": restored["params"], "opt_state": restored.get("opt_state"), "meta": meta}
 
-    def _agree_on_outcome(self, step: int, name: str, action):
-        """action() on every process, then every process learns every process's outcome, so that all skip,
-        stop or go on together: the first failure is raised on all (damage as IncompleteCheckpointError).
+    def _agree_on_outcome(self, step: int, what: str, action):
+        """action() on every process (reading `what` of the step), then every process learns every process's
+        outcome, so that all skip, stop or go on together: the first failure is raised on all (damage as
+        IncompleteCheckpointError, the data's as DataError).
         (A failure inside Orbax's restore on some processes only leaves the others at its closing barrier:
         where the arrays of one step are damaged for some processes only, the run waits there.)"""
         result, outcome = None, None
@@ -456,29 +483,34 @@ class RunCheckpoints:
             result = action()
         except CheckpointError as e:
             outcome = {"error": type(e).__name__, "message": str(e)}
+        except DataError as e:  # the data's, whatever its class: raised as DataError on every process
+            outcome = {"error": DataError.__name__, "message": str(e)}
         except Exception as e:  # noqa: BLE001 -- tensorstore's errors arrive wrapped in a bare Exception from Orbax
-            outcome = {"damaged": is_damage(e), "reason": error_reason(e)}
-        for process, theirs in enumerate(gathered(f"{name} outcome", outcome)):
+            outcome = {"damaged": is_damage(e, os.path.join(self.directory, str(step))), "reason": error_reason(e)}
+        for process, theirs in enumerate(gathered(f"{what} outcome", outcome)):
             if theirs is not None:
-                raise self._restore_failure(step, process, theirs)
+                raise self._restore_failure(step, what, process, theirs)
         return result
 
-    def _restore_failure(self, step: int, process: int, outcome: dict) -> CheckpointError:
+    def _restore_failure(self, step: int, what: str, process: int, outcome: dict) -> CheckpointError | DataError:
         if "error" in outcome:
-            error_class = {cls.__name__: cls for cls in (CheckpointMismatchError, IncompleteCheckpointError)}
+            error_class = {cls.__name__: cls for cls in (CheckpointMismatchError, IncompleteCheckpointError, DataError)}
             return error_class.get(outcome["error"], CheckpointError)(outcome["message"])
         by = f" by process {process}" if jax.process_count() > 1 else ""
         if outcome["damaged"]:
-            return IncompleteCheckpointError(f"checkpoint step {step} in {self.directory}: its arrays cannot be "
+            return IncompleteCheckpointError(f"checkpoint step {step} in {self.directory}: {what} cannot be "
                                              f"read{by} ({outcome['reason']})")
-        return unreadable(self.directory, step, "the arrays", f"{outcome['reason']}{by}")
+        return unreadable(self.directory, step, what, f"{outcome['reason']}{by}")
 
-    def _check_data_state(self, step: int) -> None:
-        """grain writes `process_<i>-of-<n>.json` per process: this process's file must be there."""
+    def _read_data_state(self, step: int) -> dict:
+        """This process's data iterator state: grain writes `process_<i>-of-<n>.json` per process (its
+        CheckpointHandler); the file is the step's, so its damage is."""
         data_dir = os.path.join(self.directory, str(step), "data")
         count = jax.process_count()
-        if os.path.exists(os.path.join(data_dir, f"process_{jax.process_index()}-of-{count}.json")):
-            return
+        path = os.path.join(data_dir, f"process_{jax.process_index()}-of-{count}.json")
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f, reading_step_files(path):
+                return json.load(f)
         names = os.listdir(data_dir) if os.path.isdir(data_dir) else []
         counts = {m.group(1) for m in (re.match(r"process_\d+-of-(\d+)\.json$", n) for n in names) if m}
         if counts:
@@ -487,3 +519,15 @@ class RunCheckpoints:
                 f"has {count}: resume with the same number of processes (each reads its own share of the data)"
             )
         raise IncompleteCheckpointError(f"checkpoint step {step} in {self.directory} is incomplete: its data state is missing")
+
+
+def _set_data_position(step: int, data_iter, state: dict) -> None:
+    """Sets the data iterator to its saved state, as grain's CheckpointHandler.restore does. The loader re-reads
+    the documents that state names from the shards: whatever fails there is not the checkpoint's (DataError)."""
+    try:
+        data_iter.set_state(state)
+        data_iter.start_prefetch()
+    except Exception as e:  # noqa: BLE001 -- a shard, the tokenizer, memory: none of it is the step's
+        reason = str(e) if isinstance(e, DataError) else f"the data loader failed: {error_reason(e)}"
+        raise DataError(f"{reason} (while resuming the data of checkpoint step {step}: the step is not damaged, and "
+                        "nothing was skipped or moved; once the data is fixed, the same command resumes it)") from e

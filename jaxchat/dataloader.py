@@ -10,11 +10,13 @@ Built from grain parts: a MapDataset of row groups (this process's share), read 
 on grain's worker threads, feeds the packer (an IterDataset), and a ThreadPrefetchIterDataset
 packs batches in the background so the train loop only picks up ready ones.
 
-Unlike nanochat's, this loader resumes exactly: its state names the row group being read and
-every buffered document by (row group position, document index), a few KB of JSON. Restoring
-re-reads and re-tokenises just those documents, so the next batch is the one an uninterrupted
-run would have produced. The state goes into Orbax checkpoints with grain's handler
-(grain.checkpoint.CheckpointSave / CheckpointRestore).
+Unlike nanochat's, this loader resumes exactly: its state names the row group being read and every
+buffered document by (row group position, document index), and the files it reads by name and size: a
+few KB of JSON, and some 35 bytes a shard. Restoring re-reads and re-tokenises just those documents, so the
+next batch is the one an uninterrupted run would have produced. The state is saved into Orbax checkpoints
+with grain's handler (grain.checkpoint.CheckpointSave); jaxchat.checkpoint sets it apart from the arrays'
+restore, so that a shard it cannot re-read (a DataError naming the file and row group) is never taken for
+a damaged checkpoint.
 """
 
 import bisect
@@ -28,6 +30,7 @@ import grain
 import numpy as np
 
 from jaxchat import shards
+from jaxchat.shards import DataError
 
 TOKENIZER_BATCH_DOCS = 128  # documents per tokenizer call, and per buffer refill (nanochat)
 
@@ -115,13 +118,27 @@ def _decode_refs(text: str) -> list[DocumentRef]:
     return refs
 
 
+class DataStateMismatchError(DataError):
+    """A saved loader state names other row groups than this loader reads (the data dir changed)."""
+
+
+def _files_changed(saved: str, now: str) -> str:
+    """Which shards differ between two `files` descriptions (JSON {name: size}), for the message."""
+    saved_sizes, sizes = json.loads(saved), json.loads(now)
+    changes = [f"it now reads {name}, which it did not then" for name in sizes if name not in saved_sizes]
+    changes += [f"it no longer reads {name}" for name in saved_sizes if name not in sizes]
+    changes += [f"{name} changed size ({saved_sizes[name]} -> {sizes[name]} bytes)"
+                for name in sizes if saved_sizes.get(name, sizes[name]) != sizes[name]]
+    return ", ".join(changes)
+
+
 class _BosBestFitIterator(grain.DatasetIterator):
     """Yields (rows, T+1) int32 arrays; see BosBestFitIterDataset."""
 
     def __init__(self, texts: grain.MapDataset, tokenize: Tokenize, rows: int, seq_len: int, buffer_docs: int,
-                 workers: int, data_fingerprint: str):
+                 workers: int, data_fingerprint: str, data_files: str):
         self._texts = texts
-        self._data_fingerprint = data_fingerprint
+        self._data_fingerprint, self._data_files = data_fingerprint, data_files
         self._tokenize = tokenize
         self._rows, self._row_len = rows, seq_len + 1
         self._read_options = grain.ReadOptions(num_threads=workers, prefetch_buffer_size=2 * workers)
@@ -165,6 +182,7 @@ class _BosBestFitIterator(grain.DatasetIterator):
             "buffer": _encode_refs(self._packer.refs()),
             "source": self._source.get_state(),
             "data": self._data_fingerprint,
+            "files": self._data_files,
             "tokens_read": self._tokens_read,
             "tokens_packed": self._tokens_packed,
             "tokens_cropped": self._tokens_cropped,
@@ -172,10 +190,12 @@ class _BosBestFitIterator(grain.DatasetIterator):
 
     def set_state(self, state: dict) -> None:
         if state["data"] != self._data_fingerprint:
-            raise ValueError(
+            changed = _files_changed(state["files"], self._data_files) if "files" in state else ""  # (older states)
+            raise DataStateMismatchError(
                 f"The loader state is for other row groups ({state['data']}) than this process reads "
-                f"({self._data_fingerprint}): resume with the same data and number of processes."
-            )
+                f"({self._data_fingerprint}{'; ' + changed if changed else ''}): resume with the same data and number "
+                "of processes, the data dir as it was when the state was saved (its last shard is the validation "
+                "split, the others training)")
         refs = _decode_refs(state["buffer"])
         position, next_doc = state["row_group_position"], state["next_doc"]
         # Which documents to re-read, per row group: the buffered ones, and the unread rest of the current one.
@@ -214,24 +234,26 @@ class BosBestFitIterDataset(grain.IterDataset):
     repeated epoch after epoch. Each element is a (rows, seq_len + 1) int32 array.
 
     `workers` threads read and tokenise row groups ahead of the packer. `data_fingerprint` names the
-    row groups (files and share), so that a state saved over other data is refused.
+    row groups (files and share), so that a state saved over other data is refused; `data_files` (JSON {name: size}
+    of the files read) lets that refusal say which files changed.
 
     (grain.experimental.BestFitPackIterDataset is a different algorithm: it packs into many bins
     at once, pads, and never crops, so rows do not all start with a document start.)
     """
 
     def __init__(self, texts: grain.MapDataset, tokenize: Tokenize, *, rows: int, seq_len: int,
-                 buffer_docs: int = 1000, workers: int = 1, data_fingerprint: str | None = None):
+                 buffer_docs: int = 1000, workers: int = 1, data_fingerprint: str | None = None, data_files: str = "{}"):
         super().__init__(texts)
         if len(texts) == 0:
             raise ValueError("No row groups to read.")
         self._texts, self._tokenize = texts, tokenize
         self._rows, self._seq_len, self._buffer_docs, self._workers = rows, seq_len, buffer_docs, workers
         self._data_fingerprint = data_fingerprint or f"{len(texts)} row groups"
+        self._data_files = data_files
 
     def __iter__(self) -> _BosBestFitIterator:
         return _BosBestFitIterator(self._texts, self._tokenize, self._rows, self._seq_len, self._buffer_docs,
-                                   self._workers, self._data_fingerprint)
+                                   self._workers, self._data_fingerprint, self._data_files)
 
     def __str__(self) -> str:
         return (f"BosBestFitIterDataset(rows={self._rows}, seq_len={self._seq_len}, "
@@ -278,9 +300,11 @@ def _make_loader(tokenizer, split: str, batch_shape: tuple[int, ...], seq_len: i
     # File names and sizes, not paths: the data may move between runs.
     names = [(os.path.basename(path), os.path.getsize(path), row_group) for path, row_group in row_groups]
     fingerprint = f"{len(row_groups)} row groups, sha1 {hashlib.sha1(json.dumps(names).encode()).hexdigest()[:12]}"
+    # one string: grain writes the state with indent=4, which would put each file on a line of its own
+    files = json.dumps({name: size for name, size, _ in names})
     rows = BosBestFitIterDataset(texts, functools.partial(tokenize_documents, tokenizer),
                                  rows=int(np.prod(batch_shape)), seq_len=seq_len, buffer_docs=buffer_docs,
-                                 workers=workers, data_fingerprint=fingerprint)
+                                 workers=workers, data_fingerprint=fingerprint, data_files=files)
     batches = rows.map(functools.partial(_to_inputs_targets, batch_shape=batch_shape))
     return grain.experimental.ThreadPrefetchIterDataset(batches, prefetch_buffer_size=prefetch).__iter__()
 

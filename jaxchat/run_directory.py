@@ -5,15 +5,18 @@
     <run dir>/run.lock                          the lock of the run writing here (jaxchat.run_lock)
     <run dir>/replaced/<step>/                  steps set aside by --overwrite, deleted once the new run's first
                                                 checkpoint is complete
-    <run dir>/damaged/<step>/                   damaged steps, moved aside when the run saved their number again;
-                                                never deleted by jaxchat
+    <run dir>/damaged/<step>/                   damaged steps, never deleted by jaxchat: moved here by a training
+                                                run as soon as it finds them damaged (a restore that reads their
+                                                arrays), or when it sets them aside or saves their number again
 
 Each function reads or changes what the calling process sees. In a run of several processes
 jaxchat.checkpoint calls them on process 0 only (jaxchat.multihost.decided_by_process_0) and every process
 acts on that reading, so that the caches of a shared filesystem cannot split the processes' decisions.
 Nothing here deletes a step: steps are moved, and only replaced/ is deleted, once the run that set them aside
-has a complete step of its own. A run never replaces a step it was not told to: a new run where steps exist,
-or a resume from an older step than the newest complete one, needs --overwrite (decide_start).
+has a complete step of its own. A step in replaced/ was judged complete; one judged damaged, from its metadata
+here or from its arrays by a restore (jaxchat.checkpoint), goes to damaged/ and stays there. A run never
+replaces a step it was not told to: a new run where steps exist, or a resume from an older step than the
+newest complete one, needs --overwrite (decide_start).
 """
 
 import os
@@ -161,21 +164,22 @@ def decide_start(directory: str, resume_from_step: int | str, overwrite: bool) -
     return {"resume": resume_from_step, "set_aside": newer if overwrite else [], "replaces_set_aside": set_aside_before}
 
 
-def set_aside(directory: str, steps: list[int], damaged: set[int]) -> dict:
-    """Moves steps out of a run's way: complete ones into replaced/, damaged ones (known, or found now) into
-    damaged/. {complete: [...], damaged: [...]}."""
-    complete = [s for s in steps if s not in damaged and step_problem(directory, s) is None]
+def set_aside(directory: str, steps: list[int]) -> dict:
+    """Moves steps out of a run's way: complete ones into replaced/, damaged ones into damaged/. (Damage is read
+    from the files' metadata here; a step whose arrays a restore found damaged was moved into damaged/ then.)
+    {complete: [...], damaged: [...]}."""
+    complete = [s for s in steps if step_problem(directory, s) is None]
     found_damaged = [s for s in steps if s not in complete]
     move_steps(directory, complete, REPLACED_SUBDIR)
     move_steps(directory, found_damaged, DAMAGED_SUBDIR)
     return {"complete": complete, "damaged": found_damaged}
 
 
-def clear_steps_from(directory: str, step: int, damaged: set[int]) -> list[tuple[int, str]]:
+def clear_steps_from(directory: str, step: int) -> list[tuple[int, str]]:
     """Makes room for saving `step`: damaged steps of that number or newer are moved into damaged/ ([(step, new
     path)]); a complete one is never replaced (CheckpointError)."""
     newer = [s for s in step_numbers(directory) if s >= step]
-    in_the_way = [s for s in newer if s in damaged or step_problem(directory, s) is not None]
+    in_the_way = [s for s in newer if step_problem(directory, s) is not None]
     complete = [s for s in newer if s not in in_the_way]
     if complete:
         raise CheckpointError(

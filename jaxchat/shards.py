@@ -7,11 +7,12 @@ command `python -m jaxchat.dataset` (jaxchat/dataset.py, which builds on this mo
 import dataclasses
 import os
 import types
-
-import pyarrow as pa
-import pyarrow.parquet as pq
+from typing import TYPE_CHECKING
 
 from jaxchat.common import base_dir_hint, get_base_dir
+
+if TYPE_CHECKING:
+    import pyarrow.parquet as pq
 
 CORPUS_INFO_FILE = "corpus.json"  # marks a data dir built from local text, so downloads never mix in
 
@@ -55,7 +56,12 @@ def get_data_dir(data_dir: str | None = None, corpus: str = DEFAULT_CORPUS) -> s
     return data_dir or os.path.join(get_base_dir(), get_corpus(corpus).dir_name)
 
 
-class CorruptShardError(ValueError):
+class DataError(ValueError):
+    """A problem of the training data (a shard, the data dir), never of a checkpoint: its message names the file
+    and what to do, and nothing in a run directory is moved for it (scripts.train prints it as one line)."""
+
+
+class CorruptShardError(DataError):
     """A file that is not a readable parquet shard with a `text` column."""
 
 
@@ -104,13 +110,17 @@ def parquet_paths_for_split(split: str, data_dir: str | None = None) -> list[str
     return paths[:-1] if split == "train" else paths[-1:]
 
 
-def open_shard(path: str) -> pq.ParquetFile:
+def open_shard(path: str) -> "pq.ParquetFile":
     """Open a shard and check that it is parquet with a string `text` column; the error names the file."""
+    # pyarrow here, not above: what needs only DataError or the paths (settings, checkpoints) does not import it
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     try:
         parquet_file = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
-        raise CorruptShardError(f"{path} is not a readable parquet file ({e}); delete it and fetch or build "
-                                f"it again") from e
+        raise CorruptShardError(f"{path} is not a readable parquet file ({' '.join(str(e).split())}); delete it and "
+                                "fetch or build it again") from e
     field = parquet_file.schema_arrow.field("text") if "text" in parquet_file.schema_arrow.names else None
     if field is None or not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)):
         raise CorruptShardError(f"{path} has no string column 'text' (columns: {parquet_file.schema_arrow.names})")
@@ -124,11 +134,14 @@ def list_row_groups(split: str, data_dir: str | None = None) -> list[tuple[str, 
 
 
 def read_row_group(path: str, row_group: int) -> list[str]:
-    """The documents of one row group."""
+    """The documents of one row group. CorruptShardError names the file and the row group: a page that does not
+    decode, or a document that is not UTF-8 (a file corrupted in place keeps its footer, so it still opens)."""
+    import pyarrow as pa
+
     parquet_file = open_shard(path)
     try:
-        table = parquet_file.read_row_group(row_group, columns=["text"])
-    except (pa.ArrowException, OSError) as e:
-        raise CorruptShardError(f"{path}: row group {row_group} is unreadable ({e}); delete the file and "
-                                f"fetch or build it again") from e
-    return table.column("text").to_pylist()
+        return parquet_file.read_row_group(row_group, columns=["text"]).column("text").to_pylist()
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
+        reason = " ".join(str(e).split())  # one line: arrow's messages may span several
+        raise CorruptShardError(f"{path}: row group {row_group} is unreadable ({type(e).__name__}: {reason}); delete "
+                                "the file and fetch or build it again") from e

@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
 
     maybe_initialize_distributed(settings.heartbeat_timeout)  # before anything touches a device
     from jaxchat.checkpoint_meta import CheckpointError, SaveFailedError
+    from jaxchat.shards import DataError
     from jaxchat.train_loop import EXIT_SAVE_FAILED, EXIT_STOPPED
 
     try:
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     except SaveFailedError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(EXIT_SAVE_FAILED)
-    except (SettingsError, CheckpointError, PlatformError) as e:  # the library's messages say what to do
+    except (SettingsError, CheckpointError, PlatformError, DataError) as e:  # the library's messages say what to do
         fail(str(e))
     if stopped:
         sys.exit(EXIT_STOPPED)

@@ -4,7 +4,9 @@ cache may show it (NFS): its newest step is hidden. Then, in order:
   1. plan a resume from 'latest' and restore it: every process must take process 0's step;
   2. resume from an older step where newer complete ones exist: every process refuses with process 0's line;
   3. take the lock of a directory on a filesystem without locks (process 0's flock fails): every process stops
-     with the same line rather than waiting at a barrier.
+     with the same line rather than waiting at a barrier;
+  4. resume a step whose data position process 1's data cannot take (its data is shorter): every process stops
+     with process 1's DataError, and nothing is moved.
 Each prints one line `RESULT <json>`; the test compares the two processes' lines."""
 
 import json
@@ -38,19 +40,21 @@ def hide_from_this_process(hidden: str) -> None:
     os.listdir, os.scandir = listdir, Scandir
 
 
-def main(run_dir: str, no_locks_dir: str) -> None:
+def main(run_dir: str, no_locks_dir: str, data_run_dir: str) -> None:
     from jaxchat.mesh import maybe_initialize_distributed
 
     maybe_initialize_distributed()  # before anything touches a device
     import errno
     import fcntl
 
+    import grain
     import jax
     import numpy as np
 
     from jaxchat.checkpoint import RunCheckpoints
     from jaxchat.checkpoint_meta import LATEST, CheckpointError
     from jaxchat.mesh import make_mesh, replicated
+    from jaxchat.shards import DataError
 
     if jax.process_index() == 1:
         hide_from_this_process(os.path.join(run_dir, "2"))
@@ -65,6 +69,7 @@ def main(run_dir: str, no_locks_dir: str) -> None:
             results["older"] = "resumed"
         except CheckpointError as e:
             results["older"] = str(e)
+    real_flock = fcntl.flock
     if jax.process_index() == 0:
         def no_locks(fd, operation):
             raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
@@ -75,6 +80,17 @@ def main(run_dir: str, no_locks_dir: str) -> None:
         results["lock"] = "taken"
     except CheckpointError as e:
         results["lock"] = str(e)
+    fcntl.flock = real_flock
+    # tests/test_checkpoint.py's data_iterator, over 200 numbers on process 0 and 8 on process 1
+    batches = grain.MapDataset.range(200 if jax.process_index() == 0 else 8).shuffle(seed=3).batch(4).to_iter_dataset()
+    data_iter = grain.experimental.ThreadPrefetchIterDataset(batches, prefetch_buffer_size=2).__iter__()
+    with RunCheckpoints(data_run_dir) as checkpoints:
+        try:
+            checkpoints.restore(1, abstract, None, replicated(abstract, make_mesh()), data_iter=data_iter)
+            results["data"] = "resumed"
+        except DataError as e:
+            results["data"] = str(e)
+    data_iter.close()
     print("RESULT " + json.dumps(results), flush=True)
 
 

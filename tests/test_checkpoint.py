@@ -284,6 +284,10 @@ def test_shardings_may_come_with_the_abstract_leaves(tmp_path):
 
 # ---- damaged and unfinished steps ----------------------------------------------------------------
 
+def files_under(directory) -> list[str]:
+    return sorted(os.path.relpath(p, directory) for p in glob.glob(str(directory / "**"), recursive=True))
+
+
 def _damage(step_dir: str, how: str) -> None:
     if how == "optimizer state deleted":
         for path in sorted(glob.glob(os.path.join(step_dir, "opt_state", "**"), recursive=True), reverse=True):
@@ -306,6 +310,19 @@ def _damage(step_dir: str, how: str) -> None:
         raise AssertionError(how)
 
 
+def saved_with_step_20_damaged(tmp_path, how: str):
+    """Steps 10 and 20 saved in tmp_path, then 20 damaged `how`: (step 10's (params, opt_state), their restore
+    shardings on one device, the files of step 20 as damaged)."""
+    states = {step: trained_state(seed=step) for step in (10, 20)}
+    with ckpt.RunCheckpoints(str(tmp_path)) as saver:
+        for step, (params, opt_state) in states.items():
+            saver.save(step, params, opt_state, None, training_meta())
+    _damage(os.path.join(tmp_path, "20"), how)
+    params, opt_state = states[10]
+    shardings = replicated(abstract(params), make_mesh(1)), replicated(abstract(opt_state), make_mesh(1))
+    return states[10], shardings, files_under(tmp_path / "20")
+
+
 # Orbax leaves coroutines of a failed read unfinished; pytest reports them when they are collected
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("how", ["optimizer state deleted", "metadata truncated", "largest array file truncated to half",
@@ -316,16 +333,18 @@ def test_latest_skips_a_damaged_newest_step(tmp_path, capsys, how):
         for step, (params, opt_state) in states.items():
             saver.save(step, params, opt_state, None, training_meta())
     _damage(os.path.join(tmp_path, "20"), how)
+    damaged_files = files_under(tmp_path / "20")
     capsys.readouterr()
 
     params, opt_state = states[10]
     mesh = make_mesh(1)
     shardings = replicated(abstract(params), mesh), replicated(abstract(opt_state), mesh)
+    if how != "interrupted while written":  # a reader (evaluation) judges it too, and leaves it where it is
+        with ckpt.RunCheckpoints(str(tmp_path), read_only=True) as reader:
+            with pytest.raises(ckpt.IncompleteCheckpointError, match="step 20 .*; kept there, not deleted$"):
+                reader.restore(20, abstract(params), abstract(opt_state), *shardings)
     with ckpt.RunCheckpoints(str(tmp_path)) as loader:
         got_params, got_opt, meta = loader.restore(ckpt.LATEST, abstract(params), abstract(opt_state), *shardings)
-        if how != "interrupted while written":
-            with pytest.raises(ckpt.IncompleteCheckpointError, match="step 20"):
-                loader.restore(20, abstract(params), abstract(opt_state), *shardings)
     assert meta["step"] == 10
     assert_tree_equal(got_params, host_copy(params))
     assert_tree_equal(got_opt, host_copy(opt_state))
@@ -333,11 +352,13 @@ def test_latest_skips_a_damaged_newest_step(tmp_path, capsys, how):
     if how == "interrupted while written":
         assert "removing unfinished save(s) 20.orbax-checkpoint-tmp" in out
         assert not os.path.exists(os.path.join(tmp_path, "20.orbax-checkpoint-tmp-1700000000"))
-    else:  # one line each, naming the step and where it is; the damaged step is kept as evidence
+    else:  # one line each, naming the step and where it went: damaged/, every file as it was, never deleted
+        moved = tmp_path / rundir.DAMAGED_SUBDIR / "20"
         assert out.splitlines()[0].startswith(f"Skipping damaged checkpoint step 20 in {tmp_path}: ")
-        assert out.splitlines()[0].endswith("(kept there, not deleted)")
+        assert out.splitlines()[0].endswith(f"; moved to {moved}, which jaxchat never deletes")
         assert out.splitlines()[1:] == ["Resuming from step 10, the newest complete checkpoint (skipped [20])"]
-        assert os.path.isdir(os.path.join(tmp_path, "20"))
+        assert rundir.step_numbers(str(tmp_path)) == [10]
+        assert files_under(moved) == damaged_files
     gc.collect()  # Orbax's unfinished coroutines of the failed read: collected here, where the warning is expected
 
 
@@ -362,22 +383,54 @@ def test_no_complete_checkpoint_is_an_error(tmp_path):
         saver.save(1, params, opt_state, None, training_meta())
     _damage(os.path.join(tmp_path, "1"), "metadata truncated")
     with ckpt.RunCheckpoints(str(tmp_path)) as loader:
-        with pytest.raises(ckpt.NoCheckpointError, match="every step \\(\\[1\\]\\) is damaged"):
+        with pytest.raises(ckpt.NoCheckpointError, match="every step \\(\\[1\\]\\) is damaged \\(moved to "
+                           f"{tmp_path / rundir.DAMAGED_SUBDIR}, which jaxchat never deletes\\); .*start a new run here"):
             loader.restore(ckpt.LATEST, abstract(params), None, replicated(abstract(params), make_mesh(1)))
-        with pytest.raises(ckpt.NoCheckpointError, match="steps there: \\[1\\]"):
+        with pytest.raises(ckpt.NoCheckpointError, match="steps there: \\[\\]"):
             loader.restore(5, abstract(params), None, replicated(abstract(params), make_mesh(1)))
+        assert loader.plan_start(-1) == ckpt.StartPlan(resume=None)  # the advice: a new run here needs no --overwrite
+    assert os.listdir(tmp_path / rundir.DAMAGED_SUBDIR) == ["1"]
 
 
-def _tensorstore_error(status: str, os_error: str) -> Exception:
+def _tensorstore_error(status: str, os_error: str, item_dir: str = "/x/params") -> Exception:
     """What Orbax raises when TensorStore fails to read an array: tensorstore's ValueError, whose message
     starts with the absl status its errno maps to, inside a bare Exception (as in the damage cases above)."""
     try:
-        raise ValueError(f'{status}: Error reading "w/0" in OCDBT database at local file "/x/params/": {os_error}')
+        raise ValueError(f'{status}: Error reading "w/0" in OCDBT database at local file "{item_dir}/": {os_error}')
     except ValueError as cause:
         try:
             raise Exception("Encountered error while reading array index: (slice(0, 300000, 1),).") from cause
         except Exception as wrapped:  # noqa: BLE001
             return wrapped
+
+
+def _decode_error_reading(path: str) -> Exception:
+    """A JSON file of the step that does not parse, as jaxchat's reads of the step's own files raise it."""
+    try:
+        with checkpoint_damage.reading_step_files(path):
+            json.loads('{"step": 2')
+    except checkpoint_damage.StepFileError as e:
+        return e
+    raise AssertionError("no error")
+
+
+def test_only_an_error_about_the_steps_own_files_is_damage(tmp_path):
+    """Issue 48: a decode or missing-file error about a data shard (re-read by the loader on resume) proved
+    nothing about the step, yet was taken for damage; the step's own files only count, step 20's not step 200's."""
+    step_dir, other_step, shard = (str(tmp_path / name) for name in ("20", "200", "data/shard_00000.parquet"))
+    try:
+        b"\xff".decode()
+    except UnicodeDecodeError as e:
+        bad_utf8 = e
+    damage = [FileNotFoundError(2, "No such file or directory", os.path.join(step_dir, "meta", "metadata")),
+              FileNotFoundError(f"Metadata file (named _METADATA) does not exist at {step_dir}/params."),  # Orbax's
+              _decode_error_reading(os.path.join(step_dir, "data", "process_0-of-1.json")),
+              _tensorstore_error("OUT_OF_RANGE", "Requested byte range is not valid", f"{step_dir}/params")]
+    not_damage = [FileNotFoundError(2, "No such file or directory", shard), bad_utf8,
+                  _tensorstore_error("OUT_OF_RANGE", "Requested byte range is not valid", f"{other_step}/params"),
+                  _tensorstore_error("UNKNOWN", "Input/output error [OS error: 5]", f"{step_dir}/params")]
+    assert [checkpoint_damage.is_damage(e, step_dir) for e in damage] == [True] * len(damage)
+    assert [checkpoint_damage.is_damage(e, step_dir) for e in not_damage] == [False] * len(not_damage)
 
 
 # Failures that say nothing about the step: the device out of memory while resuming on fewer devices, EIO and
@@ -430,18 +483,12 @@ def test_a_read_that_fails_for_another_reason_stops_and_moves_nothing(tmp_path, 
     assert sorted(os.listdir(tmp_path)) == before
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # as above
 def test_a_damaged_step_is_moved_aside_not_deleted_when_the_resumed_run_saves_its_number(tmp_path, capsys):
-    states = {step: trained_state(seed=step) for step in (10, 20)}
-    with ckpt.RunCheckpoints(str(tmp_path)) as saver:
-        for step, (params, opt_state) in states.items():
-            saver.save(step, params, opt_state, None, training_meta())
-    _damage(os.path.join(tmp_path, "20"), "largest array file truncated to half")
-    damaged_files = sorted(os.path.relpath(p, tmp_path / "20") for p in glob.glob(str(tmp_path / "20" / "**"), recursive=True))
-    params, opt_state = states[10]
-    shardings = replicated(abstract(params), make_mesh(1)), replicated(abstract(opt_state), make_mesh(1))
+    """A step damaged in its metadata is seen without reading it: resuming step 10 needs no --overwrite, and
+    the resumed run's save of step 20 moves the damaged 20 into damaged/, every file kept."""
+    (params, opt_state), shardings, damaged_files = saved_with_step_20_damaged(tmp_path, "metadata truncated")
     with ckpt.RunCheckpoints(str(tmp_path)) as run:
-        run.restore(ckpt.LATEST, abstract(params), abstract(opt_state), *shardings)
+        run.restore(run.plan_start(10).resume, abstract(params), abstract(opt_state), *shardings)
         capsys.readouterr()
         run.save(20, params, opt_state, None, training_meta(val_bpb=0.5))  # the resumed run reaches step 20 again
         run.wait()
@@ -449,7 +496,32 @@ def test_a_damaged_step_is_moved_aside_not_deleted_when_the_resumed_run_saves_it
     moved = tmp_path / rundir.DAMAGED_SUBDIR / "20"
     assert capsys.readouterr().out.splitlines() == [
         f"Moved damaged checkpoint step 20 to {moved} to save this run's step 20 (kept, not deleted)"]
-    assert sorted(os.path.relpath(p, moved) for p in glob.glob(str(moved / "**"), recursive=True)) == damaged_files
+    assert files_under(moved) == damaged_files
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # as above
+def test_a_step_found_damaged_in_its_arrays_is_never_deleted_by_overwrite(tmp_path, capsys):
+    """Issue 48: a step whose params array file is cut short looks complete from its metadata. A 'latest'
+    resume finds it damaged (reading its arrays); a later --overwrite start must not take it for complete
+    (replaced/, deleted at the new run's first save): it stays in damaged/, while the good steps go as before."""
+    (params, opt_state), shardings, damaged_files = saved_with_step_20_damaged(tmp_path, "largest array file truncated to half")
+    with ckpt.RunCheckpoints(str(tmp_path)) as resumed:  # 'latest': skips 20, resumes 10
+        assert resumed.restore(LATEST, abstract(params), abstract(opt_state), *shardings)[2]["step"] == 10
+    capsys.readouterr()
+    with ckpt.RunCheckpoints(str(tmp_path)) as run:  # then a new run with --overwrite
+        plan = run.plan_start(-1, overwrite=True)
+        run.set_aside(plan.set_aside)
+        run.save(5, *trained_state(seed=5), None, training_meta())
+        run.wait()
+        assert run.all_steps() == [5]
+    moved = tmp_path / rundir.DAMAGED_SUBDIR / "20"
+    assert plan == ckpt.StartPlan(resume=None, set_aside=(10,))
+    assert sorted(os.listdir(tmp_path)) == ["5", rundir.DAMAGED_SUBDIR, "run.lock"]  # replaced/ (10) deleted
+    assert files_under(moved) == damaged_files
+    assert capsys.readouterr().out.splitlines() == [
+        f"--overwrite: checkpoint step(s) [10] are moved to {tmp_path / rundir.REPLACED_SUBDIR}, and deleted once this "
+        "run's first checkpoint is complete",
+        f"Deleted the replaced checkpoints in {tmp_path / rundir.REPLACED_SUBDIR}: this run's step 5 is complete"]
     gc.collect()  # as above
 
 
@@ -499,15 +571,26 @@ def test_the_lock_goes_with_the_process_that_held_it(tmp_path):
 @pytest.mark.slow
 def test_two_processes_act_on_process_0s_reading_of_the_run_directory(tmp_path, subprocess_env, free_port):
     """Process 1 sees the run directory without its newest step (a stale NFS cache): both processes still restore
-    step 2, refuse to resume step 1 with the same line, and stop alike when process 0 cannot lock
-    (tests/checkpoint_decisions_worker.py)."""
-    run_dir = tmp_path / "run"
+    step 2, refuse to resume step 1 with the same line, stop alike when process 0 cannot lock, and stop alike
+    with process 1's error when its data cannot take the saved data position (tests/checkpoint_decisions_worker.py)."""
+    run_dir, data_run = tmp_path / "run", tmp_path / "data_run"
     with ckpt.RunCheckpoints(str(run_dir)) as saver:
         for step in (1, 2):
             saver.save(step, {"w": jnp.full((8,), float(step), jnp.float32)}, None, None, {"model_config": {}})
+    loader = data_iterator()
+    for _ in range(5):  # the position: batch 5 of 50, past process 1's 2 batches
+        next(loader)
+    with ckpt.RunCheckpoints(str(data_run)) as saver:
+        saver.save(1, {"w": jnp.ones((8,), jnp.float32)}, None, loader, {"model_config": {}})
+    loader.close()
+    data_dir = data_run / "1" / "data"
+    for process in range(2):  # as two processes save it: a file each
+        shutil.copy(data_dir / "process_0-of-1.json", data_dir / f"process_{process}-of-2.json")
+    os.remove(data_dir / "process_0-of-1.json")
+    data_run_files = files_under(data_run)
     port = free_port()
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoint_decisions_worker.py")
-    procs = [subprocess.Popen([sys.executable, worker, str(run_dir), str(tmp_path / "no_locks")],
+    procs = [subprocess.Popen([sys.executable, worker, str(run_dir), str(tmp_path / "no_locks"), str(data_run)],
                               env=subprocess_env(XLA_FLAGS=host_xla_flags(1), JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                                                  JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
@@ -522,6 +605,9 @@ def test_two_processes_act_on_process_0s_reading_of_the_run_directory(tmp_path, 
     assert results[0]["lock"].startswith(f"cannot lock {tmp_path / 'no_locks'} (No locks available)")
     assert sorted(os.listdir(run_dir)) == ["1", "2", "run.lock"]  # nothing moved
     assert not (tmp_path / "no_locks").exists()  # the start that could not lock left nothing behind
+    assert results[0]["data"].startswith("the data loader failed: IndexError: "), results[0]["data"]
+    assert "checkpoint step 1: the step is not damaged, and nothing was skipped or moved" in results[0]["data"]
+    assert files_under(data_run) == data_run_files
 
 
 def test_a_new_run_is_refused_where_checkpoints_exist(tmp_path):

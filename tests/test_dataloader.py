@@ -6,14 +6,21 @@ exact resume, Orbax round trip, process shards, the validation loader, and the e
 
 import json
 import os
+import re
+import shutil
 
 import grain
+import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from jax.sharding import SingleDeviceSharding
+
+from jaxchat import checkpoint as ckpt
 from jaxchat import dataloader, shards
 from jaxchat.tokenizer import Tokenizer
 
@@ -155,11 +162,12 @@ def tokenizer(corpus_documents):
     return Tokenizer.train_from_iterator(iter(corpus_documents), vocab_size=512)
 
 
-def write_shards(data_dir, documents, num_shards, docs_per_row_group):
+def write_shards(data_dir, documents, num_shards, docs_per_row_group, **parquet_options):
     os.makedirs(data_dir, exist_ok=True)
     for i, docs in enumerate(np.array_split(np.array(documents, dtype=object), num_shards)):
         pq.write_table(pa.table({"text": pa.array(list(docs), type=pa.string())}),
-                       os.path.join(data_dir, shards.shard_filename(i)), row_group_size=docs_per_row_group)
+                       os.path.join(data_dir, shards.shard_filename(i)), row_group_size=docs_per_row_group,
+                       **parquet_options)
     return data_dir
 
 
@@ -306,7 +314,7 @@ def test_state_from_other_data_is_refused(tokenizer, small_data_dir, data_dir, o
         resumed = make_loader(tokenizer, data_dir)
     else:
         resumed = make_loader(tokenizer, small_data_dir, process_count=2)
-    with pytest.raises(ValueError, match="same data and number of processes"):
+    with pytest.raises(dataloader.DataStateMismatchError, match="same data and number of processes"):
         resumed.set_state(state)
     resumed.close()
 
@@ -351,3 +359,115 @@ def test_corrupt_shard_error_names_the_file(tokenizer, tmp_path, corpus_document
     with pytest.raises(shards.CorruptShardError, match=broken):
         next(loader)
     loader.close()
+
+
+# -----------------------------------------------------------------------------------------------
+# A checkpoint's data state over shards that changed since: the data's error, never the checkpoint's (issue 48)
+
+
+def _saved_run(tokenizer, data_dir, run_dir, batches):
+    """A run directory whose one step (3) holds a loader state after `batches` batches, and tiny params."""
+    loader = make_loader(tokenizer, data_dir)
+    take(loader, batches)
+    with ckpt.RunCheckpoints(run_dir) as run:
+        run.save(3, {"w": jnp.arange(4.0)}, None, loader, {"model_config": {}})
+    loader.close()
+    return loader.get_state()
+
+
+def _resume(tokenizer, data_dir, run_dir):
+    """(a fresh loader set to the saved state, the step restored), as scripts.train resumes 'latest'."""
+    params = {"w": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=SingleDeviceSharding(jax.devices()[0]))}
+    loader = make_loader(tokenizer, data_dir)
+    try:
+        with ckpt.RunCheckpoints(run_dir) as run:
+            return loader, run.restore(ckpt.LATEST, params, data_iter=loader)[2]["step"]
+    except BaseException:
+        loader.close()
+        raise
+
+
+def _listing(directory):
+    return sorted(os.path.relpath(os.path.join(root, name), directory)
+                  for root, dirs, files in os.walk(directory) for name in dirs + files)
+
+
+def test_a_shard_the_saved_state_rereads_corrupted_in_place_is_named_and_nothing_is_moved(
+        tokenizer, corpus_documents, uninterrupted, tmp_path):
+    """Issue 48: one document of a shard that the saved state re-reads turns into invalid UTF-8, the file the same
+    size. Resuming says which shard and row group, marks no step damaged and moves nothing; with the shard put
+    back, the same resume continues the stream exactly."""
+    _, batches = uninterrupted
+    # small_data_dir's documents, written uncompressed and plain, so that a document's bytes lie in the file as is
+    data_dir = write_shards(str(tmp_path / "data"), [doc[:300] for doc in corpus_documents[:160]], 4, 8,
+                            compression="none", use_dictionary=False, write_statistics=False)
+    run_dir = str(tmp_path / "run")
+    state = _saved_run(tokenizer, data_dir, run_dir, 10)
+    position, doc = dataloader._decode_refs(state["buffer"])[0]  # a buffered document: re-read on resume
+    row_groups = shards.list_row_groups("train", data_dir)
+    path, row_group = row_groups[position % len(row_groups)]
+    text = shards.read_row_group(path, row_group)[doc].encode()
+    original = open(path, "rb").read()
+    assert len(text) > 20 and original.count(text) == 1
+    with open(path, "r+b") as f:
+        f.seek(original.index(text))
+        f.write(b"\xff")  # no UTF-8 text holds this byte
+    before = _listing(run_dir)
+
+    with pytest.raises(shards.DataError) as refused:
+        _resume(tokenizer, data_dir, run_dir)
+    message = str(refused.value)
+    assert message.startswith(f"{path}: row group {row_group} is unreadable (UnicodeDecodeError: "), message
+    assert "checkpoint step 3: the step is not damaged, and nothing was skipped or moved" in message
+    assert "\n" not in message
+    assert _listing(run_dir) == before  # no step moved to damaged/, nothing deleted
+
+    with open(path, "wb") as f:  # the original shard back: the same command resumes step 3
+        f.write(original)
+    loader, step = _resume(tokenizer, data_dir, run_dir)
+    assert step == 3
+    for i in range(10, 15):
+        inputs, targets = next(loader)
+        np.testing.assert_array_equal(inputs, batches[i][0])
+        np.testing.assert_array_equal(targets, batches[i][1])
+    loader.close()
+
+
+def test_a_shard_added_before_a_resume_is_named_and_nothing_is_moved(tokenizer, small_data_dir, tmp_path):
+    """A shard added to the data dir moves the validation split (the last shard) into training: the saved state
+    names other row groups. The refusal says which file and what to do, as the data's error."""
+    data_dir = str(tmp_path / "data")
+    shutil.copytree(small_data_dir, data_dir)
+    run_dir = str(tmp_path / "run")
+    _saved_run(tokenizer, data_dir, run_dir, 2)
+    shutil.copy(os.path.join(data_dir, shards.shard_filename(3)), os.path.join(data_dir, shards.shard_filename(4)))
+    before = _listing(run_dir)
+    with pytest.raises(shards.DataError) as refused:
+        _resume(tokenizer, data_dir, run_dir)
+    message = str(refused.value)
+    assert f"it now reads {shards.shard_filename(3)}, which it did not then" in message, message
+    assert "the data dir as it was when the state was saved" in message and "nothing was skipped or moved" in message
+    assert "\n" not in message
+    assert _listing(run_dir) == before
+
+
+@pytest.mark.slow  # (in this process, but it compiles a d2 step: ~10 s)
+def test_a_corrupt_row_group_met_while_training_is_one_line(tmp_path, make_base_dir, monkeypatch, capsys):
+    """Issue 48 item 11: a shard whose row groups were garbled in place (its footer intact, so the run starts)
+    stopped scripts.train with CorruptShardError's traceback; now one line naming the file and row group."""
+    from scripts import train as train_script
+
+    base = make_base_dir(tmp_path / "base")
+    broken = base / "base_data" / shards.shard_filename(0)
+    with open(broken, "r+b") as f:  # as test_corrupt_shard_error_names_the_file: the data pages, not the footer
+        f.seek(4)
+        f.write(np.random.default_rng(0).bytes(os.path.getsize(broken) // 2))
+    monkeypatch.setenv("JAXCHAT_BASE_DIR", str(base))
+    with pytest.raises(SystemExit) as stopped:
+        train_script.main(["--depth=2", "--max-seq-len=64", "--device-batch-size=4", "--total-batch-size=256",
+                           "--num-devices=1", "--num-iterations=2", "--eval-every=-1", "--core-metric-every=-1",
+                           "--sample-every=-1", "--loader-workers=1", "--device-type=cpu"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(rf"error: {re.escape(str(broken))}: row group 0 is unreadable \(.*\); delete the file and "
+                        r"fetch or build it again\n", err), err
