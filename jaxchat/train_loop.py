@@ -105,7 +105,8 @@ class LoopPolicy:
 
 class StopSignals:
     """SIGTERM / SIGINT on any process: every process stops at the same step, saves it and exits with
-    EXIT_STOPPED; a second signal stops this process at once, without a checkpoint.
+    EXIT_STOPPED; a second signal stops this process at once (KeyboardInterrupt), without a checkpoint of its
+    own: scripts.train finishes a save already under way first, and a third signal abandons that.
 
     A signal reaches the processes of a job at different moments, or only some of them, so no process
     stops on its own: each step carries every process's "stop requested" flag into a tiny all-reduce
@@ -127,7 +128,7 @@ class StopSignals:
             raise KeyboardInterrupt
         where = f" by process {jax.process_index()}" if jax.process_count() > 1 else ""
         print(f"Signal {signum} received{where}: stopping at a step every process agrees on, then saving a "
-              "checkpoint (a second signal stops at once, without saving)", flush=True)
+              "checkpoint (a second signal stops at once, finishing only a save under way)", flush=True)
         self.received.append(signum)
 
     def vote(self) -> jax.Array:

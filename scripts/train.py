@@ -12,6 +12,7 @@ JAX_PROCESS_ID set (or under SLURM's srun); each process feeds the devices it ow
 
 from __future__ import annotations  # the library types below are for type checkers: the script imports lazily
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -104,13 +105,14 @@ def train(settings: RunSettings, gpu_defaults_set: list[str] | None = None) -> b
         else:
             stopped = run_loop(session)
         finish(session)  # (its last save completes only with every process)
-    except Exception as e:
-        end_if_a_peer_is_lost(session, e)
+    except (Exception, KeyboardInterrupt) as error:
+        end_if_a_peer_is_lost(session, error)
+        finish_saving(session, error)
         raise
     return stopped
 
 
-def end_if_a_peer_is_lost(s: Session, error: Exception) -> None:
+def end_if_a_peer_is_lost(s: Session, error: BaseException) -> None:
     """If the error is the runtime's (a collective failed: jaxchat.multihost.runtime_failure) and another
     process of the run does not answer, one line naming it and the newest complete checkpoint, then exit at
     once with EXIT_PEER_LOST. os._exit: an orderly exit would wait at jax.distributed's shutdown barrier (and
@@ -136,6 +138,29 @@ def end_if_a_peer_is_lost(s: Session, error: Exception) -> None:
           f"({error_reason(error)}); the newest complete checkpoint: {saved}. Restart every process with "
           "--resume-from-step=latest", file=sys.stderr, flush=True)
     os._exit(EXIT_PEER_LOST)
+
+
+def finish_saving(s: Session, error: BaseException) -> None:
+    """Before the run ends on an error or a second signal: the checkpoint save under way, if any, is finished,
+    so that its step is kept (the error comes after it, as it came); a failure of that save is said in its own
+    line. A further signal abandons the save, said in one line."""
+    from jaxchat.checkpoint_meta import SaveFailedError
+
+    if isinstance(error, KeyboardInterrupt):
+        print("Interrupted: stopping once the checkpoint save under way (if any) is complete; another signal "
+              "abandons it", flush=True)
+    try:
+        s.checkpointer.wait()
+    except SaveFailedError as e:
+        if not isinstance(error, SaveFailedError):  # (else it is the error itself, said once by main)
+            print(f"error: {e}", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        newest = s.checkpointer.newest_committed_step()
+        print(f"error: the checkpoint save under way is abandoned (it is not a step); the newest complete checkpoint: "
+              f"{f'step {newest}' if newest is not None else 'none yet'}", file=sys.stderr, flush=True)
+        return
+    with contextlib.suppress(SaveFailedError):  # (said above) the lock is released all the same
+        s.checkpointer.close()
 
 
 def build(settings: RunSettings, gpu_defaults_set: list[str] | None) -> tuple[Run, Tokenizer, Any]:
