@@ -467,7 +467,7 @@ echo "$*" >> "$SCONTROL_LOG"
     (75, "7", True),  # a time limit: always
     (69, "0", True), (134, "2", True),  # a lost process: carried on by the same job...
     (69, "3", False),  # ...at most JAXCHAT_MAX_REQUEUES (3) times
-    (1, "0", False),  # a failure of the run itself: the job fails
+    (1, "0", False), (70, "0", False),  # a failure of the run itself (70: of another process): the job fails
 ])
 def test_the_slurm_script_requeues_a_run_that_lost_a_process_or_its_time(tmp_path, status, restarts, requeued):
     for name, text in (("python", STAND_IN_PYTHON), ("srun", FAKE_SRUN), ("scontrol", RECORDING_SCONTROL)):
