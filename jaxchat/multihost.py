@@ -34,6 +34,7 @@ import atexit
 import itertools
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -242,7 +243,7 @@ def end_after_error(error: BaseException, step: int, finish_saving: Callable[[],
     status = say(error)
     if status is None:
         traceback.print_exception(error)
-        status = 128 + 2 if isinstance(error, KeyboardInterrupt) else 1  # (SIGINT's number) as Python exits
+        status = 128 + signal.SIGINT if isinstance(error, KeyboardInterrupt) else 1  # as Python exits
     finish_saving()
     _announce_failure({"process": me, "step": step, "error": reason})
     print(f"error: process {me} of {count} failed in step {step} ({reason}); the other processes stop too. The newest "
