@@ -55,11 +55,14 @@ ROLL_CALL_WAIT_S = 2.0
 
 # How often a watcher (watch_peers) looks at the store: also how long a normal exit waits for it to stop
 WATCH_POLL_S = 0.5
+# How long process 0 outlives the others at a job's end (_leave): from a process's last word to its exit
+LEAVE_GRACE_S = 1.0
 # The store's keys of a job's end: a roll call asked, each process's answer, a failure announced and seen
 _ROLL_CALL_ASKED = "jaxchat/roll_call_asked"
 _ROLL_CALL = "jaxchat/roll_call/"
 _FAILED = "jaxchat/failed"
 _FAILED_SEEN = "jaxchat/failed_seen/"
+_LEAVING = "jaxchat/leaving/"
 
 # Where JAX's own Python code lives: an error raised there is the runtime's (runtime_failure)
 _JAX_CODE = tuple(os.path.dirname(module.__file__) + os.sep for module in (jax, jaxlib))
@@ -204,7 +207,7 @@ def _watch(client) -> None:
                   f"{failure['step']} ({failure['error']}); its output has the error", file=sys.stderr, flush=True)
             from jaxchat.train_loop import EXIT_PEER_FAILED  # (the loop's statuses, in one place)
 
-            _exit(EXIT_PEER_FAILED)
+            _leave(EXIT_PEER_FAILED)
         return
 
 
@@ -248,12 +251,12 @@ def end_after_error(error: BaseException, step: int, finish_saving: Callable[[],
     _announce_failure({"process": me, "step": step, "error": reason})
     print(f"error: process {me} of {count} failed in step {step} ({reason}); the other processes stop too. The newest "
           f"complete checkpoint: {_saved(newest_step())}", file=sys.stderr, flush=True)
-    _exit(status)
+    _leave(status)
 
 
 def _announce_failure(failure: dict) -> None:
-    """Tells every other process's watcher, and waits (ROLL_CALL_WAIT_S at most) until each has read it:
-    process 0's store ends with process 0."""
+    """Tells every other process's watcher, and waits (ROLL_CALL_WAIT_S at most) until each has read it, so that
+    none takes this process's exit (its collective failing) for the loss of a peer."""
     client = _client()
     deadline = time.monotonic() + ROLL_CALL_WAIT_S
     try:
@@ -264,6 +267,29 @@ def _announce_failure(failure: dict) -> None:
                 client.blocking_key_value_get(_FAILED_SEEN + str(i), max(1, int((deadline - time.monotonic()) * 1000)))
     except jax.errors.JaxRuntimeError:  # another process announced first, one never read it, or the store is gone
         pass
+
+
+def _leave(status: int) -> None:
+    """Exits once the others can do without this process. Process 0 hosts the store that every other process's
+    runtime polls: when it goes, they abort within moments (measured: a process that failed, still printing,
+    ended with JAX's abort, 134). So process 0 leaves last: it waits (ROLL_CALL_WAIT_S at most) until each
+    other process says it leaves, which each does as the last thing before it goes, then LEAVE_GRACE_S more
+    (on a loaded 2-core machine, tests/test_multihost.py's pair: without the wait 2 runs of 4 ended in that
+    abort, without the grace 1 of 3, with both 0 of 6)."""
+    client = _client()
+    deadline = time.monotonic() + ROLL_CALL_WAIT_S
+    sys.stdout.flush()  # (all said before the others may go)
+    sys.stderr.flush()
+    try:
+        if jax.process_index() == 0:
+            for i in range(1, jax.process_count()):
+                client.blocking_key_value_get(_LEAVING + str(i), max(1, int((deadline - time.monotonic()) * 1000)))
+            time.sleep(LEAVE_GRACE_S)
+        else:
+            client.key_value_set(_LEAVING + str(jax.process_index()), "")
+    except jax.errors.JaxRuntimeError:  # one did not say so in time, or the store is gone
+        pass
+    _exit(status)
 
 
 def _saved(step: int | None) -> str:
