@@ -123,15 +123,17 @@ def train(settings: RunSettings, gpu_defaults_set: list[str] | None = None) -> b
         else:
             stopped = run_loop(session)
         finish(session)  # (its last save completes only with every process)
-    except (Exception, KeyboardInterrupt) as error:
-        from jaxchat.multihost import end_after_error
+        return stopped
+    except (Exception, KeyboardInterrupt) as e:
+        error = e
+    # (out of the except block: what finishing the save meets is not taken for a consequence of this error)
+    from jaxchat.multihost import end_after_error
 
-        # (several processes: ends this one, as a lost peer or as its own error)
-        end_after_error(error, session.loop.step, lambda: finish_saving(session, error),
-                        session.checkpointer.newest_committed_step, said_error_status)
-        finish_saving(session, error)
-        raise
-    return stopped
+    # (several processes: ends this one, as a lost peer or as its own error)
+    end_after_error(error, session.loop.step, lambda: finish_saving(session, error),
+                    session.checkpointer.newest_committed_step, said_error_status)
+    finish_saving(session, error)
+    raise error
 
 
 def finish_saving(s: Session, error: BaseException) -> None:
