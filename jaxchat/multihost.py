@@ -19,13 +19,24 @@ moment the service aborts the asking process (measured with JAX 0.10.2: the answ
 together, 17.3 s after the loss at a 20 s timeout); with fate-sharing off (jax_enable_recoverability),
 collectives whose peer died hang forever on GPUs unless several experimental runtime flags are set (JAX's
 fault-tolerance guide), and a process that reaches its shutdown after process 0 has left aborts (measured:
-status 134, 3 s later). The roll call below is read from the same store: each survivor writes its name and
-waits only for the names it has not seen yet, so it costs nothing when every process answers.
+status 134, 3 s later). The roll call below goes through the same store, and costs nothing when every
+process answers.
+
+A process whose own step failed (an out-of-memory, a bug) is no lost peer: the others wait for it in a
+collective, alive, and cannot answer from there. So every process keeps a watcher thread (watch_peers) that
+answers the roll call whatever its main thread waits for, and the failing process, finding every process
+answering, ends as its own error says (end_after_error): it finishes its save in flight, announces its
+failure in the store, and exits with its error's status; every other watcher reads the announcement and ends
+its process with one line naming the failed one.
 """
 
+import atexit
 import itertools
 import json
 import os
+import signal
+import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -42,10 +53,26 @@ AGREEMENT_TIMEOUT_S = 3600
 # the survivors have named the lost process and left before the service ends them.
 ROLL_CALL_WAIT_S = 2.0
 
+# How often a watcher (watch_peers) looks at the store: also how long a normal exit waits for it to stop
+WATCH_POLL_S = 0.5
+# How long process 0 outlives the others at a job's end (_leave): from a process's last word to its exit
+LEAVE_GRACE_S = 1.0
+# The store's keys of a job's end: a roll call asked, each process's answer, a failure announced and seen
+_ROLL_CALL_ASKED = "jaxchat/roll_call_asked"
+_ROLL_CALL = "jaxchat/roll_call/"
+_FAILED = "jaxchat/failed"
+_FAILED_SEEN = "jaxchat/failed_seen/"
+_LEAVING = "jaxchat/leaving/"
+
 # Where JAX's own Python code lives: an error raised there is the runtime's (runtime_failure)
 _JAX_CODE = tuple(os.path.dirname(module.__file__) + os.sep for module in (jax, jaxlib))
 # Every process makes the same agreements in the same order, so the n-th one has the same key everywhere
 _agreements = itertools.count()
+
+
+# Taken by whatever ends this process after an error: its main thread (its own error) or its watcher (a peer's)
+_ending = threading.Lock()
+_stop_watching = threading.Event()
 
 
 class ProcessZeroFailed(RuntimeError):
@@ -123,20 +150,20 @@ def runtime_failure(error: BaseException) -> BaseException | None:
 
 
 def missing_processes(wait_s: float = ROLL_CALL_WAIT_S) -> list[int] | None:
-    """After a collective failed: the processes that do not write their name into the coordination service's
-    store within wait_s (every survivor writes its own, then waits for the others'). [] when all answer.
-    None when the store itself cannot be reached (the coordinator, process 0, is the one lost)."""
+    """After a collective failed: the other processes whose watcher (watch_peers) does not answer within wait_s,
+    asked through the coordination service's store. [] when all answer. None when the store itself cannot be
+    reached (the coordinator, process 0, is the one lost)."""
     client = _client()
     if client is None:
         return None
-    key = "jaxchat/roll_call/"
     deadline = time.monotonic() + wait_s
     missing = []
     try:
-        client.key_value_set(key + str(jax.process_index()), "alive", allow_overwrite=True)
+        client.key_value_set(_ROLL_CALL_ASKED, "", allow_overwrite=True)
         for i in range(jax.process_count()):
             try:
-                client.blocking_key_value_get(key + str(i), max(1, int((deadline - time.monotonic()) * 1000)))
+                if i != jax.process_index():
+                    client.blocking_key_value_get(_ROLL_CALL + str(i), max(1, int((deadline - time.monotonic()) * 1000)))
             except jax.errors.JaxRuntimeError as e:
                 if not str(e).startswith("DEADLINE_EXCEEDED"):  # the store's own failure: handled below
                     raise
@@ -144,3 +171,132 @@ def missing_processes(wait_s: float = ROLL_CALL_WAIT_S) -> list[int] | None:
     except Exception:  # noqa: BLE001 -- the store's RPC errors: it is gone, and with it process 0
         return None
     return missing
+
+
+def watch_peers() -> None:
+    """Starts this process's watcher (with several processes; at once after jax.distributed starts): a thread
+    that answers a roll call (missing_processes) even while the main thread waits in a collective, then ends
+    this process with one line and EXIT_PEER_FAILED if another process announces its own failure
+    (end_after_error). It stops before jax.distributed shuts down: a thread inside a call of the store when
+    the interpreter ends aborts the process (measured: status 134)."""
+    if jax.process_count() == 1:
+        return
+    thread = threading.Thread(target=_watch, args=(_client(),), name="jaxchat-watch-peers", daemon=True)
+    thread.start()
+    atexit.register(lambda: (_stop_watching.set(), thread.join()))  # after JAX's: runs before its shutdown
+
+
+def _watch(client) -> None:
+    me = jax.process_index()
+    answered = False
+    while not _stop_watching.is_set():
+        try:
+            value = client.blocking_key_value_get(_FAILED if answered else _ROLL_CALL_ASKED, int(WATCH_POLL_S * 1000))
+            if not answered:
+                client.key_value_set(_ROLL_CALL + str(me), "alive", allow_overwrite=True)
+                answered = True
+                continue
+            client.key_value_set(_FAILED_SEEN + str(me), "")
+        except jax.errors.JaxRuntimeError as e:
+            if str(e).startswith("DEADLINE_EXCEEDED"):
+                continue
+            return  # the store is gone (process 0 ended): nothing more to answer
+        failure = json.loads(value)
+        if failure["process"] != me and _ending.acquire(blocking=False):  # else: ending on its own error
+            print(f"error: process {me} of {jax.process_count()} stops: process {failure['process']} failed in step "
+                  f"{failure['step']} ({failure['error']}); its output has the error", file=sys.stderr, flush=True)
+            from jaxchat.train_loop import EXIT_PEER_FAILED  # (the loop's statuses, in one place)
+
+            _leave(EXIT_PEER_FAILED)
+        return
+
+
+def end_after_error(error: BaseException, step: int, finish_saving: Callable[[], None],
+                    newest_step: Callable[[], int | None],
+                    say: Callable[[BaseException], int | None] = lambda error: None) -> None:
+    """With several processes, ends this one after `error` ended its step; never returns (with one process it
+    returns at once). os._exit: an orderly exit waits at jax.distributed's shutdown barrier (and Orbax's) for
+    processes that are gone or wait in a collective for this one, and aborts there.
+    - A runtime failure (runtime_failure) where another process does not answer the roll call: a lost peer.
+      One line naming it and the newest complete checkpoint; EXIT_PEER_LOST at once (a save in flight cannot
+      finish without the lost process, and is never renamed to its step).
+    - Otherwise the error is this process's own: its traceback, then the save in flight is finished
+      (finish_saving), the failure announced to the others (each watcher ends its process naming this one),
+      one line, and the error's status: say(error) prints an error the caller knows in its own words and
+      returns its status; for any other (None), its traceback and the status Python gives it (1; 130 for a
+      second signal's KeyboardInterrupt).
+    If this process's watcher is already ending it (a peer announced its failure), the error is the
+    consequence: it waits for that."""
+    if jax.process_count() == 1:
+        return
+    if not _ending.acquire(blocking=False):
+        threading.Event().wait()
+    from jaxchat.checkpoint_damage import error_reason
+    from jaxchat.train_loop import EXIT_PEER_LOST
+
+    me, count = jax.process_index(), jax.process_count()
+    reason = error_reason(error)
+    if runtime_failure(error) is not None and (missing := missing_processes()) != []:
+        lost = "process 0 (the coordinator)" if missing is None else \
+            f"process{'es' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
+        print(f"error: process {me} lost {lost} of {count} in step {step} ({reason}); the newest complete "
+              f"checkpoint: {_saved(newest_step())}. Restart every process with --resume-from-step=latest",
+              file=sys.stderr, flush=True)
+        _exit(EXIT_PEER_LOST)
+    status = say(error)
+    if status is None:
+        traceback.print_exception(error)
+        status = 128 + signal.SIGINT if isinstance(error, KeyboardInterrupt) else 1  # as Python exits
+    finish_saving()
+    _announce_failure({"process": me, "step": step, "error": reason})
+    print(f"error: process {me} of {count} failed in step {step} ({reason}); the other processes stop too. The newest "
+          f"complete checkpoint: {_saved(newest_step())}", file=sys.stderr, flush=True)
+    _leave(status)
+
+
+def _announce_failure(failure: dict) -> None:
+    """Tells every other process's watcher, and waits (ROLL_CALL_WAIT_S at most) until each has read it, so that
+    none takes this process's exit (its collective failing) for the loss of a peer."""
+    client = _client()
+    deadline = time.monotonic() + ROLL_CALL_WAIT_S
+    try:
+        client.key_value_set(_FAILED, json.dumps(failure))
+        client.key_value_set(_ROLL_CALL_ASKED, "", allow_overwrite=True)  # (a watcher reads this first)
+        for i in range(jax.process_count()):
+            if i != failure["process"]:
+                client.blocking_key_value_get(_FAILED_SEEN + str(i), max(1, int((deadline - time.monotonic()) * 1000)))
+    except jax.errors.JaxRuntimeError:  # another process announced first, one never read it, or the store is gone
+        pass
+
+
+def _leave(status: int) -> None:
+    """Exits once the others can do without this process. Process 0 hosts the store that every other process's
+    runtime polls: when it goes, they abort within moments (measured: a process that failed, still printing,
+    ended with JAX's abort, 134). So process 0 leaves last: it waits (ROLL_CALL_WAIT_S at most) until each
+    other process says it leaves, which each does as the last thing before it goes, then LEAVE_GRACE_S more
+    (on a loaded 2-core machine, tests/test_multihost.py's pair: without the wait 2 runs of 4 ended in that
+    abort, without the grace 1 of 3, with both 0 of 6)."""
+    client = _client()
+    deadline = time.monotonic() + ROLL_CALL_WAIT_S
+    sys.stdout.flush()  # (all said before the others may go)
+    sys.stderr.flush()
+    try:
+        if jax.process_index() == 0:
+            for i in range(1, jax.process_count()):
+                client.blocking_key_value_get(_LEAVING + str(i), max(1, int((deadline - time.monotonic()) * 1000)))
+            time.sleep(LEAVE_GRACE_S)
+        else:
+            client.key_value_set(_LEAVING + str(jax.process_index()), "")
+    except jax.errors.JaxRuntimeError:  # one did not say so in time, or the store is gone
+        pass
+    _exit(status)
+
+
+def _saved(step: int | None) -> str:
+    return f"step {step}" if step is not None else "none yet"
+
+
+def _exit(status: int) -> None:
+    sys.stdout.flush()  # os._exit drops what the streams hold
+    sys.stderr.flush()
+    os._exit(status)

@@ -211,11 +211,14 @@ class RunLock:
         self._heartbeat = Heartbeat(self.renew, heartbeat_s, self._stop_the_run)
 
     def holds_path(self) -> bool:
-        """Whether `path` is still the file this lock holds (not replaced by a run that took the lock over)."""
+        """Whether `path` is not another file than the one this lock holds. A takeover renames its own file over
+        `path` (never a moment without one), so only another file there says another run took the lock; a path
+        that is gone (the directory deleted by a person, its filesystem unmounted) is no other writer, and ending
+        the process for it would only lose the run's work: the run goes on, and meets that at its next save."""
         try:
             here, held = os.stat(self.path), os.fstat(self._fd)
         except FileNotFoundError:
-            return False
+            return True
         return (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino)
 
     def renew(self) -> bool:

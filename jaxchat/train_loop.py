@@ -1,7 +1,7 @@
 """The training loop's policy, each rule once: when to evaluate, save, run CORE and sample (one "every N
 steps" rule), which steps are timed, what a step line prints, what the loop carries between steps and
 saves in every checkpoint, how a signal stops it (every process at the same step) and with which exit
-status, what a lost peer process ends it with. scripts.train runs the loop.
+status, what a lost or failed peer process ends it with. scripts.train runs the loop.
 
 The step loop runs num_iterations + 1 times (as base_train.py): the last pass only evaluates and saves.
 """
@@ -31,6 +31,10 @@ EXIT_SAVE_FAILED = 74
 # --resume-from-step=latest carries the run on exactly. Decided by the error's type and the processes that
 # answer (jaxchat.multihost); where no collective reports the loss, JAX's own abort ends the job (status 134).
 EXIT_PEER_LOST = 69
+# Exit status of a process of a multi-process run that another process's own error ended (an out-of-memory,
+# a bug: EX_SOFTWARE): that process exits with its error's status (1) after finishing the save in flight, and
+# its output has the error. Not a loss to retry: the same run would fail the same way.
+EXIT_PEER_FAILED = 70
 EMA_BETA = 0.9  # smoothing of the printed training loss
 # Steps 0..TIMING_WARMUP_STEPS compile and warm up: their time is left out of total_training_time, the
 # ETA and the average tok/s (as base_train.py's `step > 10`)
@@ -118,7 +122,8 @@ class LoopPolicy:
 
 class StopSignals:
     """SIGTERM / SIGINT on any process: every process stops at the same step, saves it and exits with
-    EXIT_STOPPED; a second signal stops this process at once, without a checkpoint.
+    EXIT_STOPPED; a second signal stops this process at once (KeyboardInterrupt), without a checkpoint of its
+    own: scripts.train finishes a save already under way first, and a third signal abandons that.
 
     A signal reaches the processes of a job at different moments, or only some of them, so no process
     stops on its own: each step carries every process's "stop requested" flag into a tiny all-reduce
@@ -140,7 +145,7 @@ class StopSignals:
             raise KeyboardInterrupt
         where = f" by process {jax.process_index()}" if jax.process_count() > 1 else ""
         print(f"Signal {signum} received{where}: stopping at a step every process agrees on, then saving a "
-              "checkpoint (a second signal stops at once, without saving)", flush=True)
+              "checkpoint (a second signal stops at once, finishing only a save under way)", flush=True)
         self.received.append(signum)
 
     def vote(self) -> jax.Array:

@@ -71,7 +71,9 @@ srun --ntasks-per-node=1 --wait=60 "$PYTHON" -m scripts.train --depth=20 \
 #        reported) within --heartbeat-timeout
 # Each is carried on by this same job: queue it again (--resume-from-step=latest continues exactly) rather than
 # evaluate a half run. A job that keeps losing processes is queued again at most JAXCHAT_MAX_REQUEUES times
-# (default 3; SLURM counts its restarts in SLURM_RESTART_COUNT); a time limit requeues it always.
+# (default 3; SLURM counts its restarts in SLURM_RESTART_COUNT); a time limit requeues it always. Not queued
+# again: 70, another process failed with its own error (an out-of-memory, a bug: its output has it, and it exits
+# 1, or 74 for a failed save), which the same run would meet again; and any other failure.
 requeue=0
 case "$status" in
     75) requeue=1 ;;

@@ -12,6 +12,7 @@ JAX_PROCESS_ID set (or under SLURM's srun); each process feeds the devices it ow
 
 from __future__ import annotations  # the library types below are for type checkers: the script imports lazily
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -52,20 +53,38 @@ def main(argv: list[str] | None = None) -> None:
     from jaxchat.mesh import maybe_initialize_distributed
 
     maybe_initialize_distributed(settings.heartbeat_timeout)  # before anything touches a device
-    from jaxchat.checkpoint_meta import CheckpointError, SaveFailedError
-    from jaxchat.shards import DataError
-    from jaxchat.train_loop import EXIT_SAVE_FAILED, EXIT_STOPPED
+    from jaxchat.multihost import watch_peers
+
+    watch_peers()  # (several processes) answers the others from now on, whatever this one is doing
+    from jaxchat.train_loop import EXIT_STOPPED
 
     try:
         select_platform(settings.device_type)
         stopped = train(settings, gpu_defaults_set)
-    except SaveFailedError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_SAVE_FAILED)
-    except (SettingsError, CheckpointError, PlatformError, DataError) as e:  # the library's messages say what to do
-        fail(str(e))
+    except Exception as e:
+        status = said_error_status(e)
+        if status is None:
+            raise
+        sys.exit(status)
     if stopped:
         sys.exit(EXIT_STOPPED)
+
+
+def said_error_status(error: BaseException) -> int | None:
+    """An error whose message says what to do (the library's) is printed in one line: its exit status. None for
+    any other (Python prints its traceback)."""
+    from jaxchat.checkpoint_meta import CheckpointError, SaveFailedError
+    from jaxchat.shards import DataError
+    from jaxchat.train_loop import EXIT_SAVE_FAILED
+
+    if isinstance(error, SaveFailedError):
+        status = EXIT_SAVE_FAILED
+    elif isinstance(error, (SettingsError, CheckpointError, PlatformError, DataError)):
+        status = 2  # (bad input, as jaxchat.common.fail)
+    else:
+        return None
+    print(f"error: {error}", file=sys.stderr, flush=True)
+    return status
 
 
 @dataclasses.dataclass
@@ -105,38 +124,40 @@ def train(settings: RunSettings, gpu_defaults_set: list[str] | None = None) -> b
         else:
             stopped = run_loop(session)
         finish(session)  # (its last save completes only with every process)
-    except Exception as e:
-        end_if_a_peer_is_lost(session, e)
-        raise
-    return stopped
+        return stopped
+    except (Exception, KeyboardInterrupt) as e:
+        error = e
+    # (out of the except block: what finishing the save meets is not taken for a consequence of this error)
+    from jaxchat.multihost import end_after_error
+
+    # (several processes: ends this one, as a lost peer or as its own error)
+    end_after_error(error, session.loop.step, lambda: finish_saving(session, error),
+                    session.checkpointer.newest_committed_step, said_error_status)
+    finish_saving(session, error)
+    raise error
 
 
-def end_if_a_peer_is_lost(s: Session, error: Exception) -> None:
-    """If the error is the runtime's (a collective failed: jaxchat.multihost.runtime_failure) and another
-    process of the run does not answer, one line naming it and the newest complete checkpoint, then exit at
-    once with EXIT_PEER_LOST. os._exit: an orderly exit would wait at jax.distributed's shutdown barrier (and
-    Orbax's) for the lost process, and abort there with a page of native stack trace. Otherwise returns."""
-    import os
+def finish_saving(s: Session, error: BaseException) -> None:
+    """Before the run ends on an error or a second signal: the checkpoint save under way, if any, is finished,
+    so that its step is kept (the error comes after it, as it came); a failure of that save is said in its own
+    line. A further signal abandons the save, said in one line."""
+    from jaxchat.checkpoint_meta import SaveFailedError
 
-    import jax
-
-    from jaxchat.checkpoint_damage import error_reason
-    from jaxchat.multihost import missing_processes, runtime_failure
-    from jaxchat.train_loop import EXIT_PEER_LOST
-
-    if jax.process_count() == 1 or runtime_failure(error) is None:
+    if isinstance(error, KeyboardInterrupt):
+        print("Interrupted: stopping once the checkpoint save under way (if any) is complete; another signal "
+              "abandons it", flush=True)
+    try:
+        s.checkpointer.wait()
+    except SaveFailedError as e:
+        if not isinstance(error, SaveFailedError):  # (else it is the error itself, said once by main)
+            print(f"error: {e}", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        newest = s.checkpointer.newest_committed_step()
+        print(f"error: the checkpoint save under way is abandoned (it is not a step); the newest complete checkpoint: "
+              f"{f'step {newest}' if newest is not None else 'none yet'}", file=sys.stderr, flush=True)
         return
-    missing = missing_processes()
-    if missing == []:  # every process answered: not a lost peer, the error is the run's own
-        return
-    lost = "process 0 (the coordinator)" if missing is None else \
-        f"process{'es' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
-    newest = s.checkpointer.newest_committed_step()
-    saved = f"step {newest}" if newest is not None else "none yet"
-    print(f"error: process {jax.process_index()} lost {lost} of {jax.process_count()} in step {s.loop.step} "
-          f"({error_reason(error)}); the newest complete checkpoint: {saved}. Restart every process with "
-          "--resume-from-step=latest", file=sys.stderr, flush=True)
-    os._exit(EXIT_PEER_LOST)
+    with contextlib.suppress(SaveFailedError):  # (said above) the lock is released all the same
+        s.checkpointer.close()
 
 
 def build(settings: RunSettings, gpu_defaults_set: list[str] | None) -> tuple[Run, Tokenizer, Any]:

@@ -1,17 +1,21 @@
 """Five steps of a tiny GPT on a fixed global batch over the devices of a mesh, each process feeding only
 the rows that live on its own devices. test_trainer.py runs it as two jax.distributed processes
 (`python multiprocess_worker.py` with JAX_COORDINATOR_ADDRESS set: it prints the losses) and imports
-train_losses for the one-process reference."""
+train_losses for the one-process reference. `python multiprocess_worker.py P S`: process P raises an
+out-of-memory of its own in step S, and every process ends as scripts.train's do (test_multihost.py)."""
+
+import sys
 
 import numpy as np
 
 
-def train_losses(mesh) -> list[float]:
+def train_losses(mesh, fails_at: tuple[int, int] | None = None) -> list[float]:
     import jax
     from flax import nnx
 
     from jaxchat.gpt import GPTConfig
     from jaxchat.mesh import batch_sharding, put_batch
+    from jaxchat.multihost import end_after_error
     from jaxchat.optim import setup_optimizer
     from jaxchat.trainer import abstract_model, init_train_state, make_train_step
 
@@ -29,16 +33,26 @@ def train_losses(mesh) -> list[float]:
         rng = np.random.default_rng(s)
         x = rng.integers(0, config.vocab_size, size=(1, 8, config.sequence_len)).astype(np.int32)
         y = np.roll(x, -1, axis=-1)
-        state.params, state.opt_state, metrics = step(state.params, state.opt_state, put_batch(x[:, lo:lo + rows], spec),
-                                                      put_batch(y[:, lo:lo + rows], spec))
-        losses.append(float(metrics["loss"]))
+        try:
+            if fails_at == (jax.process_index(), s):  # as XLA reports a device out of memory
+                raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB.")
+            state.params, state.opt_state, metrics = step(state.params, state.opt_state,
+                                                          put_batch(x[:, lo:lo + rows], spec), put_batch(y[:, lo:lo + rows], spec))
+            losses.append(float(metrics["loss"]))
+        except (Exception, KeyboardInterrupt) as error:
+            end_after_error(error, s, finish_saving=lambda: None, newest_step=lambda: None)
+            raise
     return losses
 
 
 if __name__ == "__main__":
     from jaxchat.mesh import make_mesh, maybe_initialize_distributed
 
+    from jaxchat.multihost import watch_peers
+
     maybe_initialize_distributed()  # before anything touches a device
+    watch_peers()
     mesh = make_mesh()
     assert mesh.devices.size == 4, mesh
-    print("LOSSES " + " ".join(f"{v:.8f}" for v in train_losses(mesh)), flush=True)
+    fails_at = tuple(map(int, sys.argv[1:3])) or None
+    print("LOSSES " + " ".join(f"{v:.8f}" for v in train_losses(mesh, fails_at)), flush=True)

@@ -1,5 +1,6 @@
 """What decides a run's exit status when a process may be lost: the error's type and where it was raised,
-never its message; and when a run starts jax.distributed. (Two real processes: test_train_script.py's pairs and test_checkpoint.py's decisions.)"""
+never its message, and whether the other processes answer; and when a run starts jax.distributed. (Two real
+processes: a worker pair below, test_train_script.py's pairs and test_checkpoint.py's decisions.)"""
 
 import http.server
 import os
@@ -12,6 +13,8 @@ import pytest
 from jaxchat import mesh
 from jaxchat.checkpoint_meta import SaveFailedError
 from jaxchat.multihost import decided_by_process_0, gathered, runtime_failure
+from jaxchat.train_loop import EXIT_PEER_FAILED
+from test_trainer import start_worker
 
 
 def raised(make, cause=None):
@@ -39,6 +42,26 @@ def test_the_runtimes_errors_are_known_by_type_or_by_where_they_were_raised():
     in_jax = raised(lambda: jnp.zeros((2, 3)).reshape(7))  # raised by JAX's own code, as Gloo's all-gather error is
     assert runtime_failure(in_jax) is in_jax
     assert runtime_failure(raised(lambda: ValueError("raised here"))) is None
+
+
+@pytest.mark.slow
+def test_one_process_out_of_memory_is_its_own_error_not_a_lost_peer(subprocess_env, free_port):
+    """Process 1 of two workers runs out of memory in step 2 on its own while process 0 waits for it in that
+    step's collective: process 1 prints its traceback and one line saying that it failed, and exits 1 as Python
+    would (not 69: runs/multihost_slurm.sh does not queue the job again for it); process 0 says in one line
+    which process failed, and exits EXIT_PEER_FAILED (not JAX's abort)."""
+    port = free_port()
+    procs = [start_worker(subprocess_env, process_id, port, "1", "2") for process_id in range(2)]
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    reason = "JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB."
+    assert procs[1].returncode == 1, errs[1][-3000:]
+    assert "Traceback (most recent call last)" in errs[1]
+    assert errs[1].strip().splitlines()[-1] == (f"error: process 1 of 2 failed in step 2 ({reason}); the other "
+                                                "processes stop too. The newest complete checkpoint: none yet")
+    assert procs[0].returncode == EXIT_PEER_FAILED, errs[0][-3000:]
+    assert "Traceback" not in errs[0]
+    assert errs[0].strip().splitlines()[-1] == (f"error: process 0 of 2 stops: process 1 failed in step 2 ({reason}); "
+                                                "its output has the error")
 
 
 def test_one_process_decides_and_gathers_alone():

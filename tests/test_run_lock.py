@@ -168,3 +168,17 @@ def test_a_holder_whose_lock_was_taken_over_stops_at_its_next_heartbeat(tmp_path
                                        "write this run directory\n")
     finally:
         stop(child)
+
+
+def test_a_lock_file_that_is_gone_is_no_takeover(tmp_path):
+    """The run directory deleted or its filesystem unmounted under a live run (a test's tmpfs, a person's rm):
+    no other run holds the lock, so the holder goes on (its next save meets the loss) instead of ending its
+    process from the heartbeat thread, as a holder whose file another run replaced does."""
+    child = start_holder("import sys, time; from jaxchat.run_lock import acquire_run_lock; "
+                         "lock = acquire_run_lock(sys.argv[1], heartbeat_s=0.05); print('locked', flush=True); "
+                         "time.sleep(1); print('alive', flush=True)", str(tmp_path))
+    try:
+        os.remove(tmp_path / LOCK_FILE)
+        assert child.wait(timeout=10) == 0 and child.stdout.read() == "alive\n", child.stderr.read()
+    finally:
+        stop(child)

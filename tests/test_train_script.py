@@ -124,6 +124,56 @@ def test_profile_steps_trace_those_steps_and_say_where(tmp_path, monkeypatch, ca
     assert any("fusion" in e.get("name", "") for e in events)  # XLA:CPU's kernels of the traced steps
 
 
+@pytest.mark.parametrize("fails_in", ["samples", pytest.param("put_batch", marks=pytest.mark.slow),
+                                      pytest.param("samples and save", marks=pytest.mark.slow)])
+def test_an_error_after_a_save_started_still_completes_that_save(tmp_path, monkeypatch, capsys, make_base_dir, fails_in):
+    """An out of memory in the last step's samples (which come after its save started), or while putting the
+    batch after a --save-every save on the device: the run ends with that error, after the save in flight is
+    complete, so that --resume-from-step=latest finds it; a save that fails meanwhile is said in its own line.
+    (Orbax's rename of the step comes a second later: the save is still in flight when the error comes, as a
+    real model's is.)"""
+    from orbax.checkpoint._src.checkpointers import async_checkpointer
+
+    from jaxchat import engine, mesh
+
+    monkeypatch.setenv("JAXCHAT_BASE_DIR", str(make_base_dir(tmp_path)))
+    rename = async_checkpointer._on_commit_callback
+
+    def slow_rename(*args):
+        time.sleep(1)
+        if fails_in == "samples and save":
+            raise OSError(28, "No space left on device")
+        rename(*args)
+
+    monkeypatch.setattr(async_checkpointer, "_on_commit_callback", slow_rename)
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("simulated: out of memory")
+
+    if fails_in.startswith("samples"):
+        flags, saved = ["--num-iterations=2", "--sample-every=100"], 2
+        monkeypatch.setattr(engine.Engine, "generate_batch", out_of_memory)
+    else:  # the batch of step 2, right after the save of step 2 (inputs and targets: two calls a step)
+        flags, saved = ["--num-iterations=3", "--save-every=2", "--sample-every=-1"], 2
+        calls, put_batch = [], mesh.put_batch
+        monkeypatch.setattr(mesh, "put_batch", lambda *args: calls.append(1) or (
+            out_of_memory() if len(calls) == 2 * saved + 1 else put_batch(*args)))
+    with pytest.raises(MemoryError, match="simulated"):
+        train_script.main([*SMALL, "--device-type=cpu", "--eval-every=-1", "--core-metric-every=-1",
+                           "--model-tag=failed", *flags])
+    run_dir = tmp_path / "base_checkpoints" / "failed"
+    err = capsys.readouterr().err
+    if fails_in == "samples and save":
+        assert err.startswith(f"error: saving checkpoint step {saved} in {run_dir} failed (OSError: [Errno 28] No "
+                              "space left on device); no complete checkpoint is left. Free some space"), err
+        saved = None
+    else:
+        assert sorted(os.listdir(run_dir)) == [str(saved), "run.lock"]  # complete: no unfinished save beside it
+        assert "error" not in err
+    with RunCheckpoints(str(run_dir)) as resumed:  # (its lock released) what --resume-from-step=latest takes
+        assert resumed.latest_step() == saved
+
+
 def run_to_its_error(start_train, base_dir, *flags, **env) -> str:
     """As a user sees a bad start: status 2, and no traceback in what it printed (returned)."""
     process = start_train(base_dir, *SMALL, *flags, **env)
@@ -435,7 +485,7 @@ echo "$*" >> "$SCONTROL_LOG"
     (75, "7", True),  # a time limit: always
     (69, "0", True), (134, "2", True),  # a lost process: carried on by the same job...
     (69, "3", False),  # ...at most JAXCHAT_MAX_REQUEUES (3) times
-    (1, "0", False),  # a failure of the run itself: the job fails
+    (1, "0", False), (70, "0", False),  # a failure of the run itself (70: of another process): the job fails
 ])
 def test_the_slurm_script_requeues_a_run_that_lost_a_process_or_its_time(tmp_path, status, restarts, requeued):
     for name, text in (("python", STAND_IN_PYTHON), ("srun", FAKE_SRUN), ("scontrol", RECORDING_SCONTROL)):

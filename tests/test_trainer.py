@@ -200,12 +200,12 @@ def test_no_recompilation_while_schedules_move(caplog):
     assert len(compiles) == 1, [r.getMessage()[:80] for r in compiles]
 
 
-def start_worker(subprocess_env, process_id, port) -> subprocess.Popen:
-    """One of 2 jax.distributed processes of 2 CPU devices each."""
+def start_worker(subprocess_env, process_id, port, *args: str) -> subprocess.Popen:
+    """One of 2 jax.distributed processes of 2 CPU devices each (args: the worker's, to make one fail)."""
     env = subprocess_env(JAX_PLATFORMS="cpu", XLA_FLAGS=host_xla_flags(2),
                          JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
                          JAX_PROCESS_ID=str(process_id))
-    return subprocess.Popen([sys.executable, os.path.join(HERE, "multiprocess_worker.py")], env=env,
+    return subprocess.Popen([sys.executable, os.path.join(HERE, "multiprocess_worker.py"), *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
