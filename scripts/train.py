@@ -54,12 +54,11 @@ def main(argv: list[str] | None = None) -> None:
 
     maybe_initialize_distributed(settings.heartbeat_timeout)  # before anything touches a device
     from jaxchat.multihost import watch_peers
-
-    watch_peers()  # (several processes) answers the others from now on, whatever this one is doing
     from jaxchat.train_loop import EXIT_STOPPED
 
     try:
-        select_platform(settings.device_type)
+        select_platform(settings.device_type)  # before anything starts a backend (--device-type=cpu on a GPU host)
+        watch_peers()  # (several processes) answers the others from now on, whatever this one is doing
         stopped = train(settings, gpu_defaults_set)
     except Exception as e:
         status = said_error_status(e)

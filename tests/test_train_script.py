@@ -60,6 +60,25 @@ def test_bad_input_stops_with_a_message(tmp_path, monkeypatch, capsys, flags, me
     assert not os.path.exists(tmp_path / "base_checkpoints")
 
 
+def test_the_platform_is_chosen_before_anything_starts_a_backend(monkeypatch, capsys):
+    """--device-type=cpu sets jax_platforms, which counts only before a backend starts: the multi-process watcher
+    (whose process count starts one) comes after it. (On this CPU-only machine the order is what can be seen.)"""
+    import jaxchat.multihost
+    from jaxchat.common import PlatformError
+
+    calls = []
+    monkeypatch.setattr(jaxchat.multihost, "watch_peers", lambda: calls.append("watch_peers"))
+
+    def select_platform(device_type):
+        calls.append("select_platform")
+        raise PlatformError("stop here")
+
+    monkeypatch.setattr(train_script, "select_platform", select_platform)
+    with pytest.raises(SystemExit):
+        train_script.main(["--device-type=cpu", "--depth=2"])
+    assert calls == ["select_platform"]
+
+
 def test_a_rerun_or_a_second_run_on_a_tag_is_refused_before_any_write(tmp_path, monkeypatch, capsys):
     """A rerun without --resume-from-step where an earlier run's checkpoints are, a resume from an older step
     than the newest (a typo: 5 for 8), or any run while another holds the directory: status 2 and one line,
