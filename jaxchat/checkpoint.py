@@ -65,9 +65,10 @@ SHARED_ERRORS = (CheckpointError,)
 
 # ---- paths and checks before training ------------------------------------------------------------
 
-def checkpoint_dir(model_tag: str | None, depth: int, base_dir: str | None = None) -> str:
+def checkpoint_dir(model_tag: str | None, depth: int | None = None, base_dir: str | None = None) -> str:
     """`<base_dir>/base_checkpoints/<model_tag or d{depth}>`, as nanochat. A tag that is not one safe directory
-    name (check_model_tag) raises ValueError: no caller writes outside base_checkpoints/."""
+    name (check_model_tag) raises ValueError: no caller writes outside base_checkpoints/ (a training run's, an
+    import's, a loaded model's)."""
     tag = default_model_tag(depth) if model_tag is None else check_model_tag(model_tag)
     return os.path.join(base_dir or get_base_dir(), CHECKPOINTS_SUBDIR, tag)
 

@@ -42,6 +42,7 @@ from flax import nnx
 
 from jaxchat.checkpoint_meta import CHECKPOINTS_SUBDIR, NANOCHAT_WEIGHTS_FILE, TOKENIZER_SUBDIR, nanochat_files
 from jaxchat.gpt import DEFAULT_RECIPE, GPT, RECIPES, GPTConfig, abstract_model
+from jaxchat.report import REPORT_SUBDIR
 from jaxchat.shards import CORPORA
 from jaxchat.staged_files import StagedFiles
 from jaxchat.tokenizer import Tokenizer
@@ -83,7 +84,7 @@ def jaxchat_folders(base_dir: str) -> list[str]:
     """The folders of a jaxchat base dir that no export may write into (StagedFiles' keep_out): the runs'
     checkpoints (a step's directory goes with its step), the tokenizer every run reads, the corpora's
     shards, and the report (its reset removes every .md and .json there)."""
-    names = [CHECKPOINTS_SUBDIR, TOKENIZER_SUBDIR, "report", *(corpus.dir_name for corpus in CORPORA.values())]
+    names = [CHECKPOINTS_SUBDIR, TOKENIZER_SUBDIR, REPORT_SUBDIR, *(corpus.dir_name for corpus in CORPORA.values())]
     return [os.path.join(base_dir, name) for name in names]
 
 

@@ -163,7 +163,7 @@ def missing_processes(wait_s: float = ROLL_CALL_WAIT_S) -> list[int] | None:
         for i in range(jax.process_count()):
             try:
                 if i != jax.process_index():
-                    client.blocking_key_value_get(_ROLL_CALL + str(i), max(1, int((deadline - time.monotonic()) * 1000)))
+                    _get_by(client, _ROLL_CALL + str(i), deadline)
             except jax.errors.JaxRuntimeError as e:
                 if not str(e).startswith("DEADLINE_EXCEEDED"):  # the store's own failure: handled below
                     raise
@@ -171,6 +171,11 @@ def missing_processes(wait_s: float = ROLL_CALL_WAIT_S) -> list[int] | None:
     except Exception:  # noqa: BLE001 -- the store's RPC errors: it is gone, and with it process 0
         return None
     return missing
+
+
+def _get_by(client, key: str, deadline: float) -> str:
+    """The store's value of key, waiting until the monotonic deadline at most (JaxRuntimeError DEADLINE_EXCEEDED)."""
+    return client.blocking_key_value_get(key, max(1, int((deadline - time.monotonic()) * 1000)))
 
 
 def watch_peers() -> None:
@@ -264,7 +269,7 @@ def _announce_failure(failure: dict) -> None:
         client.key_value_set(_ROLL_CALL_ASKED, "", allow_overwrite=True)  # (a watcher reads this first)
         for i in range(jax.process_count()):
             if i != failure["process"]:
-                client.blocking_key_value_get(_FAILED_SEEN + str(i), max(1, int((deadline - time.monotonic()) * 1000)))
+                _get_by(client, _FAILED_SEEN + str(i), deadline)
     except jax.errors.JaxRuntimeError:  # another process announced first, one never read it, or the store is gone
         pass
 
@@ -283,7 +288,7 @@ def _leave(status: int) -> None:
     try:
         if jax.process_index() == 0:
             for i in range(1, jax.process_count()):
-                client.blocking_key_value_get(_LEAVING + str(i), max(1, int((deadline - time.monotonic()) * 1000)))
+                _get_by(client, _LEAVING + str(i), deadline)
             time.sleep(LEAVE_GRACE_S)
         else:
             client.key_value_set(_LEAVING + str(jax.process_index()), "")

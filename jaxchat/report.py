@@ -25,6 +25,8 @@ from typing import Any
 
 from jaxchat.common import get_base_dir
 
+REPORT_SUBDIR = "report"  # under a base dir, as nanochat's
+
 
 def slugify(section: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", section.lower()).strip("-")
@@ -352,7 +354,7 @@ class Report:
 
 def get_report(base_dir: str | None = None, model_tag: str | None = None) -> Report:
     """<base_dir>/report, as the run `model_tag` writes it (None: any other stage)."""
-    return Report(os.path.join(base_dir or get_base_dir(), "report"), model_tag)
+    return Report(os.path.join(base_dir or get_base_dir(), REPORT_SUBDIR), model_tag)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,7 +7,7 @@ import dataclasses
 import os
 
 from jaxchat.checkpoint_meta import (CHECKPOINTS_SUBDIR, CheckpointError, CheckpointMismatchError, NoCheckpointError,
-                                     check_model_tag, model_tag_flag)
+                                     model_tag_flag)
 from jaxchat.common import PlatformError
 from jaxchat.tokenizer import TokenizerError
 
@@ -58,14 +58,13 @@ def load_model(model_tag: str | None = None, step: int | None = None, base_dir: 
     to GPT (dtype, attention_implementation)."""
     from flax import nnx
 
-    from jaxchat.checkpoint import RunCheckpoints
-    from jaxchat.common import get_base_dir, print0
+    from jaxchat.checkpoint import RunCheckpoints, checkpoint_dir
+    from jaxchat.common import print0
     from jaxchat.gpt import GPTConfig, abstract_model
     from jaxchat.mesh import make_mesh, replicated
 
     model_tag = model_tag or find_model_tag(base_dir)
-    directory = os.path.join(base_dir or get_base_dir(), CHECKPOINTS_SUBDIR, check_model_tag(model_tag))
-    with RunCheckpoints(directory, read_only=True) as ckpt:
+    with RunCheckpoints(checkpoint_dir(model_tag, base_dir=base_dir), read_only=True) as ckpt:
         if step is None:
             step = ckpt.latest_step()
             if step is None:
