@@ -46,13 +46,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxchat import run_directory as rundir
-from jaxchat.checkpoint_damage import (error_reason, is_damage, read_step_meta, reading_step_files, saved_structure,
+from jaxchat.checkpoint_damage import (is_damage, read_step_meta, reading_step_files, saved_structure,
                                        step_problem, unreadable)
 from jaxchat.checkpoint_meta import (CHECKPOINTS_SUBDIR, LATEST, TRAINING_META_KEYS, CheckpointError,
                                      CheckpointMismatchError, IncompleteCheckpointError, NoCheckpointError,
                                      SaveFailedError, StepUnreadableError, check_compatible, check_model_tag,
                                      default_model_tag)
-from jaxchat.common import get_base_dir, key_name, print0
+from jaxchat.common import error_reason, get_base_dir, key_name, print0
 from jaxchat.gpt import GPTConfig
 from jaxchat.multihost import decided_by_process_0, gathered
 from jaxchat.run_lock import RunLockError, acquire_run_lock

@@ -26,6 +26,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxchat.checkpoint_meta import StepUnreadableError, step_meta_file
+from jaxchat.common import error_chain, error_reason
 
 # The status codes that say the step's bytes are not what its own index promised
 DAMAGE_STATUS_CODES = frozenset({"OUT_OF_RANGE", "DATA_LOSS", "FAILED_PRECONDITION", "NOT_FOUND"})
@@ -51,23 +52,6 @@ def reading_step_files(path: str):
         raise StepFileError(path) from e
 
 
-def _chain(error: BaseException):
-    while error is not None:
-        yield error
-        error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
-
-
-def error_reason(error: BaseException) -> str:
-    """One line for an error: its innermost cause (Orbax wraps tensorstore's ValueError, which says what
-    is wrong with which file, in a bare Exception whose message is a page of TensorStore spec)."""
-    *_, error = _chain(error)
-    lines = str(error).strip().splitlines()
-    text = lines[0] if lines else ""
-    if len(text) > 300:  # tensorstore puts the path first and the reason ("No space left on device") last
-        text = text[:140] + " ... " + text[-150:]
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
-
-
 def _names_a_file_in(error: BaseException, step_dir: str) -> bool:
     """Whether error is about a file inside step_dir: by its filename (Python's OSErrors, StepFileError) or its
     message (Orbax's FileNotFoundError and TensorStore's errors name the path in their text)."""
@@ -80,7 +64,7 @@ def _names_a_file_in(error: BaseException, step_dir: str) -> bool:
 def is_damage(error: BaseException, step_dir: str) -> bool:
     """Whether error, or one of its causes, proves a file inside step_dir (the step's own) missing, cut short or
     corrupt. The same errors about any other file (a data shard, the tokenizer) say nothing about the step."""
-    for e in _chain(error):
+    for e in error_chain(error):
         status = _STATUS.match(str(e)) if isinstance(e, ValueError) else None
         proof = isinstance(e, (FileNotFoundError, NotADirectoryError, StepFileError)) or \
             bool(status and status.group(1) in DAMAGE_STATUS_CODES)

@@ -23,7 +23,6 @@ CONFIG_FLAGS = {"recipe": "--recipe", "n_layer": "--depth", "n_embd": "--depth a
                 "vocab_size": "the tokenizer"}
 
 CHECKPOINTS_SUBDIR = "base_checkpoints"  # under a base dir, jaxchat's and nanochat's alike
-TOKENIZER_SUBDIR = "tokenizer"  # under a base dir, jaxchat's and nanochat's alike
 # nanochat's checkpoint files (nanochat/checkpoint_manager.py at bdcc030): the weights (.pt; jaxchat's export
 # also writes .safetensors) and the metadata of one step
 NANOCHAT_WEIGHTS_FILE = re.compile(r"model_(\d+)\.(pt|safetensors)$")

@@ -27,6 +27,24 @@ def fail(message: str) -> NoReturn:
     sys.exit(2)
 
 
+def error_chain(error: BaseException):
+    """The error, then its causes and contexts, outermost first."""
+    while error is not None:
+        yield error
+        error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+
+
+def error_reason(error: BaseException) -> str:
+    """One line for an error: its innermost cause (Orbax wraps tensorstore's ValueError, which says what
+    is wrong with which file, in a bare Exception whose message is a page of TensorStore spec)."""
+    *_, error = error_chain(error)
+    lines = str(error).strip().splitlines()
+    text = lines[0] if lines else ""
+    if len(text) > 300:  # tensorstore puts the path first and the reason ("No space left on device") last
+        text = text[:140] + " ... " + text[-150:]
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
 class PlatformError(RuntimeError):
     """The backend asked for cannot start; the message says what to do."""
 

@@ -23,14 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 import safetensors.numpy
 
-from jaxchat.checkpoint_meta import TOKENIZER_SUBDIR
 from jaxchat.common import get_base_dir
 from jaxchat.engine import default_stop_tokens
 from jaxchat.gpt import ROTARY_LENGTH_FACTOR, GPTConfig
 from jaxchat.interop import jaxchat_folders, to_nanochat_state_dict
 from jaxchat.saved_model import find_model_tag, load_model
 from jaxchat.staged_files import StagedFiles, check_writable_dir
-from jaxchat.tokenizer import BOS, RANKS_FILE, Tokenizer, get_tokenizer
+from jaxchat.tokenizer import BOS, RANKS_FILE, TOKENIZER_SUBDIR, Tokenizer, get_tokenizer
 
 MODELING_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_modeling.py")
 MODELING_FILE = "modeling_jaxchat.py"

@@ -40,12 +40,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxchat.checkpoint_meta import CHECKPOINTS_SUBDIR, NANOCHAT_WEIGHTS_FILE, TOKENIZER_SUBDIR, nanochat_files
+from jaxchat.checkpoint_meta import CHECKPOINTS_SUBDIR, NANOCHAT_WEIGHTS_FILE, nanochat_files
 from jaxchat.gpt import DEFAULT_RECIPE, GPT, RECIPES, GPTConfig, abstract_model
 from jaxchat.report import REPORT_SUBDIR
 from jaxchat.shards import CORPORA
 from jaxchat.staged_files import StagedFiles
-from jaxchat.tokenizer import Tokenizer
+from jaxchat.tokenizer import TOKENIZER_SUBDIR, Tokenizer
 
 TORCH_COMPILE_PREFIX = "_orig_mod."  # nanochat state dicts saved from a compiled model carry it
 # What nanochat's base_train.py writes into meta_<step>.json, in its order: bdcc030's, and per recipe

@@ -45,6 +45,19 @@ from typing import Any
 import jax
 import jaxlib
 
+from jaxchat.common import error_reason
+
+# Exit status of a process of a multi-process run whose peer died (a lost node, an OOM kill; EX_UNAVAILABLE):
+# the step in flight is lost, the newest complete checkpoint is intact (an unfinished save is never
+# renamed to its step, so 'latest' does not pick it), and restarting every process with
+# --resume-from-step=latest carries the run on exactly. Decided by the error's type and the processes that
+# answer (end_after_error); where no collective reports the loss, JAX's own abort ends the job (status 134).
+# (The training loop's own statuses are in jaxchat.train.loop.)
+EXIT_PEER_LOST = 69
+# Exit status of a process of a multi-process run that another process's own error ended (an out-of-memory,
+# a bug: EX_SOFTWARE): that process exits with its error's status (1) after finishing the save in flight, and
+# its output has the error. Not a loss to retry: the same run would fail the same way.
+EXIT_PEER_FAILED = 70
 # Reading another process's decision or outcome waits at most this long: a restore of a large state from a
 # slow shared filesystem takes minutes; a process that died meanwhile ends the job through the heartbeat
 # timeout long before this one (and process 0, which hosts the store, ends it at once).
@@ -210,7 +223,6 @@ def _watch(client) -> None:
         if failure["process"] != me and _ending.acquire(blocking=False):  # else: ending on its own error
             print(f"error: process {me} of {jax.process_count()} stops: process {failure['process']} failed in step "
                   f"{failure['step']} ({failure['error']}); its output has the error", file=sys.stderr, flush=True)
-            from jaxchat.train_loop import EXIT_PEER_FAILED  # (the loop's statuses, in one place)
 
             _leave(EXIT_PEER_FAILED)
         return
@@ -236,8 +248,6 @@ def end_after_error(error: BaseException, step: int, finish_saving: Callable[[],
         return
     if not _ending.acquire(blocking=False):
         threading.Event().wait()
-    from jaxchat.checkpoint_damage import error_reason
-    from jaxchat.train_loop import EXIT_PEER_LOST
 
     me, count = jax.process_index(), jax.process_count()
     reason = error_reason(error)

@@ -16,7 +16,6 @@ import numpy as np
 import rustbpe
 import tiktoken
 
-from jaxchat.checkpoint_meta import TOKENIZER_SUBDIR
 from jaxchat.common import base_dir_hint, get_base_dir
 
 SPECIAL_TOKENS = [
@@ -38,6 +37,7 @@ SPLIT_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 )
 
+TOKENIZER_SUBDIR = "tokenizer"  # under a base dir, jaxchat's and nanochat's alike
 RANKS_FILE = "tokenizer.tiktoken"
 CONFIG_FILE = "tokenizer.json"
 TOKEN_BYTES_FILE = "token_bytes.npy"

@@ -25,16 +25,6 @@ EXIT_STOPPED = 75
 # Exit status of a run whose checkpoint could not be written (no space, permission lost; EX_IOERR): the
 # previous complete step is intact, and --resume-from-step=latest carries on once the disk is fixed.
 EXIT_SAVE_FAILED = 74
-# Exit status of a process of a multi-process run whose peer died (a lost node, an OOM kill; EX_UNAVAILABLE):
-# the step in flight is lost, the newest complete checkpoint is intact (an unfinished save is never
-# renamed to its step, so 'latest' does not pick it), and restarting every process with
-# --resume-from-step=latest carries the run on exactly. Decided by the error's type and the processes that
-# answer (jaxchat.multihost); where no collective reports the loss, JAX's own abort ends the job (status 134).
-EXIT_PEER_LOST = 69
-# Exit status of a process of a multi-process run that another process's own error ended (an out-of-memory,
-# a bug: EX_SOFTWARE): that process exits with its error's status (1) after finishing the save in flight, and
-# its output has the error. Not a loss to retry: the same run would fail the same way.
-EXIT_PEER_FAILED = 70
 EMA_BETA = 0.9  # smoothing of the printed training loss
 # Steps 0..TIMING_WARMUP_STEPS compile and warm up: their time is left out of total_training_time, the
 # ETA and the average tok/s (as base_train.py's `step > 10`)

@@ -46,7 +46,7 @@ import safetensors.numpy
 from flax import nnx
 
 from jaxchat.checkpoint import RunCheckpoints, checkpoint_dir
-from jaxchat.checkpoint_meta import (CHECKPOINTS_SUBDIR, TOKENIZER_SUBDIR, TRAINING_META_KEYS, CheckpointError,
+from jaxchat.checkpoint_meta import (CHECKPOINTS_SUBDIR, TRAINING_META_KEYS, CheckpointError,
                                      model_tag_flag, nanochat_files, tokenizer_info)
 from jaxchat.common import fail, get_base_dir, quiet_jax_warnings
 from jaxchat.interop import (TOKEN_BYTES_PT, TOKENIZER_PICKLE, config_from_nanochat_meta, from_nanochat_state_dict,
@@ -55,7 +55,7 @@ from jaxchat.interop import (TOKEN_BYTES_PT, TOKENIZER_PICKLE, config_from_nanoc
                              save_nanochat_checkpoint, save_nanochat_tokenizer, to_nanochat_state_dict)
 from jaxchat.saved_model import find_model_tag, load_model
 from jaxchat.staged_files import StagedFiles, check_writable_dir
-from jaxchat.tokenizer import get_tokenizer
+from jaxchat.tokenizer import TOKENIZER_SUBDIR, get_tokenizer
 
 
 def _holds_tokenizer(existing, tokenizer, where: str, what_to_do: str) -> bool:

@@ -13,7 +13,7 @@ import pytest
 from jaxchat import mesh
 from jaxchat.checkpoint_meta import SaveFailedError
 from jaxchat.multihost import decided_by_process_0, gathered, runtime_failure
-from jaxchat.train_loop import EXIT_PEER_FAILED
+from jaxchat.multihost import EXIT_PEER_FAILED
 from test_trainer import start_worker
 
 

@@ -27,7 +27,8 @@ from etils import epath
 from jaxchat import report
 from jaxchat.checkpoint import RunCheckpoints
 from jaxchat.tokenizer import Tokenizer
-from jaxchat.train_loop import EXIT_PEER_LOST, EXIT_STOPPED
+from jaxchat.multihost import EXIT_PEER_LOST
+from jaxchat.train_loop import EXIT_STOPPED
 from scripts import train as train_script
 
 SMALL = ["--depth=2", "--max-seq-len=128", "--device-batch-size=4", "--total-batch-size=512", "--num-devices=1"]
