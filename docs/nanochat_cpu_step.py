@@ -13,7 +13,7 @@ version; here `flash_attn_func` is torch's scaled_dot_product_attention with FA3
 mask (key j seen by query i when i - window <= j <= i), the same maths.
 
 Timing: wall clock per optimizer step over `--steps` steps after three warm-up steps (compilation), as
-jaxchat.step_timing does after its one warm-up call; random tokens.
+jaxchat.train.step_timing does after its one warm-up call; random tokens.
 """
 
 import argparse

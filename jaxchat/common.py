@@ -200,7 +200,7 @@ def _from_orbax(record: logging.LogRecord) -> bool:
 def _unraisable_unless_orbax(unraisable) -> None:
     """sys.unraisablehook: drops the leftovers of a step Orbax failed to read or write (its abandoned
     coroutines, and tensorstore's callbacks into the asyncio loop Orbax has closed: a traceback per array
-    in flight); the error itself reaches jaxchat.checkpoint, which reports it in one line."""
+    in flight); the error itself reaches jaxchat.checkpoint.manager, which reports it in one line."""
     closed_loop = isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
     if not (closed_loop or _through_orbax(unraisable.exc_traceback)):
         sys.__unraisablehook__(unraisable)

@@ -1,5 +1,5 @@
-"""Get the pretraining corpus: the command line over jaxchat/download.py (FineWeb-Edu, ClimbMix) and
-jaxchat/local_corpus.py (your own text, or Python's documentation); shards are read by jaxchat/shards.py.
+"""Get the pretraining corpus: the command line over jaxchat/data/download.py (FineWeb-Edu, ClimbMix) and
+jaxchat/data/local_corpus.py (your own text, or Python's documentation); shards are read by jaxchat/data/shards.py.
 
   python -m jaxchat.dataset -n 8                 download the first 8 FineWeb-Edu shards (~100 MB each)
   python -m jaxchat.dataset -n 8 --corpus climbmix   8 ClimbMix training shards + its validation shard
@@ -7,7 +7,7 @@ jaxchat/local_corpus.py (your own text, or Python's documentation); shards are r
   python -m jaxchat.dataset --builtin            shards from prose that ships with Python (no download)
 
 Shards go to <base_dir>/base_data (ClimbMix: <base_dir>/base_data_climbmix) or --data-dir. Nothing in
-jaxchat imports this module: it is the command's (so that download and local_corpus, which build on jaxchat.shards, import no circle).
+jaxchat imports this module: it is the command's (so that download and local_corpus, which build on jaxchat.data.shards, import no circle).
 """
 
 import argparse
@@ -15,10 +15,10 @@ import json
 import os
 import sys
 
-from jaxchat import download, local_corpus
-from jaxchat.shards import CORPORA, CORPUS_INFO_FILE, DEFAULT_CORPUS, open_shard
-# scripts.bench reads shards through this module's names; it may import them from jaxchat.shards instead
-from jaxchat.shards import list_row_groups, read_row_group  # noqa: F401
+from jaxchat.data import download, local_corpus
+from jaxchat.data.shards import CORPORA, CORPUS_INFO_FILE, DEFAULT_CORPUS, open_shard
+# scripts.bench reads shards through this module's names; it may import them from jaxchat.data.shards instead
+from jaxchat.data.shards import list_row_groups, read_row_group  # noqa: F401
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # d20 on several GPU hosts under SLURM: one JAX process per node, each driving all of its node's GPUs;
-# jax.distributed starts from SLURM's variables (jaxchat.mesh.maybe_initialize_distributed), and the
+# jax.distributed starts from SLURM's variables (jaxchat.distributed.mesh.maybe_initialize_distributed), and the
 # mesh spans every GPU of every node.
 #
 #   sbatch runs/multihost_slurm.sh                   # 2 nodes x 8 GPUs, as set below
@@ -30,9 +30,9 @@
 # --requeue and --signal: SLURM sends SIGTERM 3 minutes before the time limit (or on preemption); the
 # processes agree on a step to stop at (even if only some got the signal), save it, and the requeued job's
 # --resume-from-step=latest continues from it. A task that dies makes the others exit with 69 within
-# seconds (jaxchat/train_loop.py's EXIT_PEER_LOST), or 134 once the heartbeat timeout passes where no
+# seconds (jaxchat/train/loop.py's EXIT_PEER_LOST), or 134 once the heartbeat timeout passes where no
 # collective reports it: the job requeues itself (below), and the requeued job resumes exactly.
-# The run directory's lock (jaxchat/run_lock.py) does not stop a requeued job: NFS keeps the flock of a node
+# The run directory's lock (jaxchat/checkpoint/lock.py) does not stop a requeued job: NFS keeps the flock of a node
 # that died until the server's lease ends, so process 0 takes over a lock whose holder was an earlier start of
 # this job (same SLURM_JOB_ID, smaller SLURM_RESTART_COUNT), or whose heartbeat (renewed every 30 s) is over
 # 300 s old, and says so in one line. A run whose lock was taken over so stops at its next heartbeat, without
@@ -64,7 +64,7 @@ status=0
 srun --ntasks-per-node=1 --wait=60 "$PYTHON" -m scripts.train --depth=20 \
     --device-batch-size="$DEVICE_BATCH" --save-every=500 --keep-checkpoints=2 --resume-from-step=latest \
     --run="$WANDB_RUN" "$@" || status=$?
-# What the exit status says (scripts/train.py, jaxchat/train_loop.py), and what carries the run on:
+# What the exit status says (scripts/train.py, jaxchat/train/loop.py), and what carries the run on:
 #   75   stopped by SIGTERM (time limit, preemption) after saving its checkpoint
 #   69   a process lost a peer (a node died, an OOM kill); the newest complete checkpoint is intact
 #   134  JAX's own abort: the coordination service lost a process (process 0, or one whose loss no collective

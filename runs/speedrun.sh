@@ -65,7 +65,7 @@ if [ "$RECIPE" = bdcc030 ]; then NUM_SHARDS=150; else NUM_SHARDS=170; fi
 python -m jaxchat.dataset -n "$NUM_SHARDS" --corpus "$CORPUS" &
 DATASET_DOWNLOAD_PID=$!
 # The CORE eval bundle (~162 MB) meanwhile; on the CPU backend, so that it holds no GPU memory
-JAX_PLATFORMS=cpu python -c "from jaxchat.core_eval import download_eval_bundle; download_eval_bundle()" &
+JAX_PLATFORMS=cpu python -c "from jaxchat.eval.core import download_eval_bundle; download_eval_bundle()" &
 BUNDLE_DOWNLOAD_PID=$!
 
 # Tokenizer: vocabulary 2^16 = 65,536 (bdcc030) or 2^15 = 32,768 (92d63d4) on ~2B characters

@@ -14,7 +14,7 @@ import csv
 import os
 
 from jaxchat.common import fail
-from jaxchat.saved_model import LOAD_ERRORS, add_checkpoint_args, load_saved_model
+from jaxchat.export.saved_model import LOAD_ERRORS, add_checkpoint_args, load_saved_model
 
 
 def write_results_csv(path: str, results: dict, centered_results: dict, core_metric: float) -> None:
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
         fail(str(e))
 
     from jaxchat.common import get_base_dir, is_master, print0
-    from jaxchat.core_eval import evaluate_core
+    from jaxchat.eval.core import evaluate_core
     from jaxchat.report import Label, Section, get_report
 
     try:

@@ -10,7 +10,7 @@ packed as in training, at the checkpoint's sequence length. Adds a section to th
 import argparse
 
 from jaxchat.common import fail
-from jaxchat.saved_model import LOAD_ERRORS, add_checkpoint_args, load_saved_model
+from jaxchat.export.saved_model import LOAD_ERRORS, add_checkpoint_args, load_saved_model
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -28,11 +28,11 @@ def main(argv: list[str] | None = None) -> None:
     import jax
 
     from jaxchat.common import is_master, print0
-    from jaxchat.dataloader import make_train_loader, make_val_loader
-    from jaxchat.engine import SAMPLE_PROMPTS, Engine
-    from jaxchat.loss_eval import evaluate_bpb
+    from jaxchat.data.loader import make_train_loader, make_val_loader
+    from jaxchat.model.engine import SAMPLE_PROMPTS, Engine
+    from jaxchat.eval.bpb import evaluate_bpb
     from jaxchat.report import Label, Section, get_report
-    from jaxchat.tokenizer import get_token_bytes
+    from jaxchat.data.tokenizer import get_token_bytes
 
     seq_len = meta["model_config"]["sequence_len"]
     local_rows = args.device_batch_size * jax.local_device_count()

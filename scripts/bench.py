@@ -40,8 +40,8 @@ import statistics
 import tempfile
 import time
 
-if __name__ == "__main__":  # before JAX is imported: the train step as scripts.train runs it (jaxchat.huge_pages)
-    from jaxchat.huge_pages import reexec_with_huge_pages
+if __name__ == "__main__":  # before JAX is imported: the train step as scripts.train runs it (jaxchat.distributed.huge_pages)
+    from jaxchat.distributed.huge_pages import reexec_with_huge_pages
 
     reexec_with_huge_pages()
 
@@ -51,16 +51,16 @@ import numpy as np
 from flax import nnx
 
 from jaxchat.common import fail, format_table, get_base_dir, quiet_jax_warnings, tree_nbytes
-from jaxchat.engine import Engine
-from jaxchat.gpt import GPT, REMAT_POLICIES, GPTConfig
-from jaxchat.hlo import SLICED_ALL_REDUCE
-from jaxchat.huge_pages import huge_pages_note
-from jaxchat.memory import memory_estimate
-from jaxchat.profiling import ProfileStepsError, StepProfiler, parse_profile_steps
-from jaxchat.run import RunSettings, build_run
-from jaxchat.runtime import GPU_MEMORY_FRACTION
-from jaxchat.staged_files import make_parent_dir
-from jaxchat.step_timing import time_train_step
+from jaxchat.model.engine import Engine
+from jaxchat.model.gpt import GPT, REMAT_POLICIES, GPTConfig
+from jaxchat.compiled.hlo import SLICED_ALL_REDUCE
+from jaxchat.distributed.huge_pages import huge_pages_note
+from jaxchat.compiled.memory import memory_estimate
+from jaxchat.train.profiling import ProfileStepsError, StepProfiler, parse_profile_steps
+from jaxchat.train.run import RunSettings, build_run
+from jaxchat.distributed.runtime import GPU_MEMORY_FRACTION
+from jaxchat.checkpoint.staged_files import make_parent_dir
+from jaxchat.train.step_timing import time_train_step
 
 TARGET_TOKENS_PER_S = 1e6  # what a d20 run on 8 H100s consumes per host
 FINEWEB_CROPPED_FRACTION = 0.35  # nanochat's figure for best-fit packing at T=2048 on FineWeb-Edu
@@ -93,7 +93,7 @@ def bench_loader(tokenizer, data_dir: str | None = None, *, seq_len: int = 2048,
     share cropped depends on the corpus (and on a small corpus, on how full of long documents the
     buffer has silted), so cores_for_target plans with FineWeb's: the cores to deliver
     TARGET_TOKENS_PER_S when FINEWEB_CROPPED_FRACTION of the tokens read are cropped away."""
-    from jaxchat.dataloader import make_train_loader
+    from jaxchat.data.loader import make_train_loader
 
     loader = make_train_loader(tokenizer, batch_size, seq_len, grad_accum, 0, 1, data_dir=data_dir,
                                buffer_docs=buffer_docs, workers=workers, prefetch=prefetch)
@@ -145,7 +145,7 @@ def bench_checkpoint(*, depth: int, vocab_size: int, saves: int = 5, directory: 
     blocking Orbax writes: the time save() holds the caller, and the time until the step is on disk."""
     import grain  # the data and checkpoint stack is imported only where it is measured
 
-    from jaxchat.checkpoint import RunCheckpoints
+    from jaxchat.checkpoint.manager import RunCheckpoints
 
     run = build_run(RunSettings(depth=depth, num_iterations=100, device_batch_size=1, total_batch_size=2048,
                                 num_devices=1), vocab_size)
@@ -274,8 +274,9 @@ def main_decode(args: argparse.Namespace) -> list[dict]:
 
 
 def main_loader(args: argparse.Namespace) -> list[dict]:
-    from jaxchat import dataset, local_corpus
-    from jaxchat.tokenizer import Tokenizer, TokenizerError, get_tokenizer
+    from jaxchat import dataset
+    from jaxchat.data import local_corpus
+    from jaxchat.data.tokenizer import Tokenizer, TokenizerError, get_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.builtin:
@@ -369,7 +370,7 @@ def main(argv: list[str] | None = None) -> None:
                        help="one row per policy (default: scripts.train's)")
     train.add_argument("--profile-steps", type=profile_steps_flag, default=None, metavar="A:B",
                        help="after the timed steps, B-A more steps traced with jax.profiler as steps A..B-1, one "
-                            "trace per row (jaxchat.profiling)")
+                            "trace per row (jaxchat.train.profiling)")
     train.add_argument("--profile-dir", default=None, help="where the traces go (default: <base_dir>/profiles/bench)")
     checkpoint = sub.add_parser("checkpoint", help="async against blocking checkpoint saves; sizes")
     checkpoint.add_argument("--depth", type=int, default=4)

@@ -13,7 +13,7 @@ is refused). Needs PyTorch: pip install -e '.[nanochat]'.
 
 Hand it to Hugging Face (transformers, lm-evaluation-harness, the Hub): a directory that
 AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True) and AutoTokenizer.from_pretrained(DIR)
-load, checked against jaxchat's logits before it is written (jaxchat.hf_export). Needs pip install -e '.[hf]':
+load, checked against jaxchat's logits before it is written (jaxchat.export.hf). Needs pip install -e '.[hf]':
 
     python -m scripts.export --to-hf DIR [--model-tag d20] [--step 21400] [--overwrite] [--push-to-hub USER/REPO [--private]]
 
@@ -24,7 +24,7 @@ The weights alone, without PyTorch (safetensors, nanochat's names and layout, fl
     python -m scripts.export [--output DIR]            # DIR: <base_dir>/nanochat_export/<tag>
 
 Every export refuses to replace a file that is there already unless --overwrite, and never writes into
-the base dir's own folders (base_checkpoints/, tokenizer/, the shards', report/): see jaxchat.staged_files.
+the base dir's own folders (base_checkpoints/, tokenizer/, the shards', report/): see jaxchat.checkpoint.staged_files.
 
 Import nanochat weights as a jaxchat checkpoint (weights only: it can be evaluated and sampled, not
 resumed, since nanochat's optimizer state does not map onto jaxchat's):
@@ -45,17 +45,17 @@ import os
 import safetensors.numpy
 from flax import nnx
 
-from jaxchat.checkpoint import RunCheckpoints, checkpoint_dir
-from jaxchat.checkpoint_meta import (CHECKPOINTS_SUBDIR, TRAINING_META_KEYS, CheckpointError,
+from jaxchat.checkpoint.manager import RunCheckpoints, checkpoint_dir
+from jaxchat.checkpoint.meta import (CHECKPOINTS_SUBDIR, TRAINING_META_KEYS, CheckpointError,
                                      model_tag_flag, nanochat_files, tokenizer_info)
 from jaxchat.common import fail, get_base_dir, quiet_jax_warnings
-from jaxchat.interop import (TOKEN_BYTES_PT, TOKENIZER_PICKLE, config_from_nanochat_meta, from_nanochat_state_dict,
+from jaxchat.export.nanochat import (TOKEN_BYTES_PT, TOKENIZER_PICKLE, config_from_nanochat_meta, from_nanochat_state_dict,
                              holds_nanochat_token_bytes, jaxchat_folders, load_nanochat_state_dict, load_nanochat_tokenizer, nanochat_meta,
                              nanochat_tokenizer_path, read_nanochat_meta, recipe_of_state_dict,
                              save_nanochat_checkpoint, save_nanochat_tokenizer, to_nanochat_state_dict)
-from jaxchat.saved_model import find_model_tag, load_model
-from jaxchat.staged_files import StagedFiles, check_writable_dir
-from jaxchat.tokenizer import TOKENIZER_SUBDIR, get_tokenizer
+from jaxchat.export.saved_model import find_model_tag, load_model
+from jaxchat.checkpoint.staged_files import StagedFiles, check_writable_dir
+from jaxchat.data.tokenizer import TOKENIZER_SUBDIR, get_tokenizer
 
 
 def _holds_tokenizer(existing, tokenizer, where: str, what_to_do: str) -> bool:
@@ -176,7 +176,7 @@ def import_weights(weights_path: str, meta_path: str | None = None, tokenizer_pa
 
 def export_hf(directory: str, model_tag: str | None, step: int | None, overwrite: bool, repo: str | None,
               private: bool) -> None:
-    from jaxchat.hf_export import CHECK_TOLERANCE, export_to_hf, push_to_hub
+    from jaxchat.export.hf import CHECK_TOLERANCE, export_to_hf, push_to_hub
 
     written, difference = export_to_hf(directory, model_tag, step, overwrite=overwrite)
     for path in written:

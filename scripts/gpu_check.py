@@ -5,7 +5,7 @@ lent for a few minutes:
     python -m scripts.gpu_check --json $OUT/gpu.json --budget-s 480
 
 and, with no GPU at all (the `cuda12` extra installed, JAX_PLATFORMS=cpu), the real train step compiled
-for 1 and 8 H100s (jaxchat.compile_only): peak memory per device and its parts, cuDNN attention calls
+for 1 and 8 H100s (jaxchat.compiled.compile_only): peak memory per device and its parts, cuDNN attention calls
 with their windows, GEMMs by library (fp8 apart), collectives with the bytes each device moves, compile
 time; exit 1 if the step does not compile or its peak is above XLA's pool:
 
@@ -15,7 +15,7 @@ and the same for a TPU slice (the `tpu` extra: libtpu; splash attention's kernel
 
     python -m scripts.gpu_check --compile-only --target v6e:2x4 [--depth 20 --device-batch-size 16 ...]
 
-Every flag of scripts.train (jaxchat.settings) is a flag of --compile-only (--remat, --window-pattern, ...).
+Every flag of scripts.train (jaxchat.train.settings) is a flag of --compile-only (--remat, --window-pattern, ...).
 The report (JSON) and the optimised HLO files beside it go to --json, by default under
 <base_dir>/gpu_check/: gpu_check.json, or compile_only_<target>.json (compile_only_h100.json,
 compile_only_v6e-2x4.json), so that one target's files never replace another's.
@@ -29,7 +29,7 @@ Each measurement runs in a process of its own, in this order (the first answers 
   windows_d12   the d12 train step with window pattern SSSL and with L: what the short windows save
   attention     cuDNN flash attention against the XLA path (outputs, gradients; windowed, full, GQA),
                 and attention with window T/2 against T
-  flags_off     the d12 SSSL step without jaxchat's GPU runtime defaults (jaxchat.runtime), against
+  flags_off     the d12 SSSL step without jaxchat's GPU runtime defaults (jaxchat.distributed.runtime), against
                 windows_d12's SSSL row, which ran with them
 After each one the whole report is rewritten to --json, so a run cut short still leaves what it
 measured. A measurement that fails (an exception, a crash, out of memory, past the time left) is
@@ -75,7 +75,7 @@ class Sizes:
 
 def device_batch_size(args: argparse.Namespace) -> int:
     """--device-batch-size as given, else the settings' default (the settings' flags are SUPPRESSed)."""
-    from jaxchat.settings import RunSettings
+    from jaxchat.train.settings import RunSettings
 
     return getattr(args, "device_batch_size", RunSettings.device_batch_size)
 
@@ -95,7 +95,7 @@ def sizes(cpu: bool, device_batch_size: int) -> Sizes:
 def check_environment(args, size: Sizes) -> dict:
     import jax
 
-    from jaxchat.runtime import MEM_FRACTION_ENV
+    from jaxchat.distributed.runtime import MEM_FRACTION_ENV
 
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
@@ -118,10 +118,10 @@ def check_memory(args, sizes: Sizes) -> dict:
     import jax
 
     from jaxchat.common import tree_nbytes
-    from jaxchat.compile_only import abstract_step, target_pool_bytes
-    from jaxchat.hlo import parse_hlo
-    from jaxchat.mesh import make_mesh
-    from jaxchat.run import RunSettings
+    from jaxchat.compiled.compile_only import abstract_step, target_pool_bytes
+    from jaxchat.compiled.hlo import parse_hlo
+    from jaxchat.distributed.mesh import make_mesh
+    from jaxchat.train.run import RunSettings
 
     size = sizes.big
 
@@ -163,8 +163,8 @@ def check_memory(args, sizes: Sizes) -> dict:
 
 
 def _train_step(size: dict, pattern: str, steps: int) -> dict:
-    from jaxchat.run import RunSettings
-    from jaxchat.step_timing import time_train_step
+    from jaxchat.train.run import RunSettings
+    from jaxchat.train.step_timing import time_train_step
 
     settings = RunSettings(depth=size["depth"], max_seq_len=size["max_seq_len"], window_pattern=pattern,
                            device_batch_size=size["device_batch_size"], num_devices=1)
@@ -197,7 +197,7 @@ def attention_agreement(batch: int, seq_len: int, heads: int, kv_heads: int, hea
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxchat.attention import causal_attention
+    from jaxchat.model.attention import causal_attention
 
     keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (batch, seq_len, heads, head_dim), jnp.bfloat16)
@@ -219,7 +219,7 @@ def attention_time(batch: int, seq_len: int, heads: int, head_dim: int, window: 
     import jax
     import jax.numpy as jnp
 
-    from jaxchat.attention import causal_attention
+    from jaxchat.model.attention import causal_attention
 
     q = k = v = jnp.ones((batch, seq_len, heads, head_dim), jnp.bfloat16)
     loss = lambda q, k, v: causal_attention(q, k, v, window, "cudnn").astype(jnp.float32).sum()  # noqa: E731
@@ -319,7 +319,7 @@ def child_environments(args) -> tuple[dict, dict]:
     """(with the GPU runtime defaults, without): the user's environment with this checkout importable
     and a compilation cache shared by the children (a step compiled for memory_d20 need not be
     compiled again for step_d20), plus the defaults for the first."""
-    from jaxchat.runtime import gpu_defaults
+    from jaxchat.distributed.runtime import gpu_defaults
 
     base = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
     base.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "jaxchat_gpu_check_cache"))
@@ -328,7 +328,7 @@ def child_environments(args) -> tuple[dict, dict]:
 
 
 def run_all(args) -> int:
-    from jaxchat.runtime import will_run_on_gpu
+    from jaxchat.distributed.runtime import will_run_on_gpu
 
     if not args.allow_cpu and not will_run_on_gpu():
         print("error: no GPU (no CUDA plugin for JAX, no NVIDIA device, or JAX_PLATFORMS says otherwise); this script "
@@ -382,10 +382,10 @@ COLLECTIVE_COLUMNS = [("devices", "{:d}"), ("kind", "{}"), ("count", "{:d}"), ("
 
 def print_compile_reports(reports: list[dict]) -> None:
     from jaxchat.common import format_table
-    from jaxchat.compile_only import is_tpu_target
+    from jaxchat.compiled.compile_only import is_tpu_target
 
     pool = ("a TPU chip's HBM" if is_tpu_target(reports[0]["target"])
-            else "XLA's pool (the memory fraction of jaxchat.runtime)")
+            else "XLA's pool (the memory fraction of jaxchat.distributed.runtime)")
     print(f"{reports[0]['config'].rsplit(' x', 1)[0]} | GiB per device; of_pool: the peak against {pool}, "
           f"{reports[0]['pool_gib']:.1f} GiB")
     print(format_table([{"devices": r["devices"], **r["memory_gib"], "of_pool": r["peak_share_of_pool"],
@@ -410,10 +410,10 @@ def run_compile_only(args) -> int:
     """The step of the given settings compiled for each --devices count of H100s; exit 1 if one does not
     compile or its peak is above XLA's pool, 2 if it cannot be tried here."""
     from jaxchat.common import quiet_jax_warnings
-    from jaxchat.compile_only import CompileOnlyError, check_target, compile_for_target, is_tpu_target
+    from jaxchat.compiled.compile_only import CompileOnlyError, check_target, compile_for_target, is_tpu_target
     import jax
 
-    from jaxchat.settings import SettingsError, settings_from_flags
+    from jaxchat.train.settings import SettingsError, settings_from_flags
 
     if "JAX_PLATFORMS" not in os.environ:  # the devices are the CUDA plugin's compile-only ones: no GPU backend
         jax.config.update("jax_platforms", "cpu")  # is started, so a machine without a GPU needs no setting
@@ -496,8 +496,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--item", default=None, help=argparse.SUPPRESS)  # child mode
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     from jaxchat.common import fail
-    from jaxchat.settings import add_setting_flags
-    from jaxchat.staged_files import make_parent_dir
+    from jaxchat.train.settings import add_setting_flags
+    from jaxchat.checkpoint.staged_files import make_parent_dir
 
     add_setting_flags(parser)  # scripts.train's; --device-batch-size also sizes the d12/d20 steps of a GPU run
     args = parser.parse_args(argv)

@@ -10,7 +10,7 @@ Uses the KV-cache engine: the prompt is prefilled once for all samples, then one
 import argparse
 
 from jaxchat.common import fail
-from jaxchat.saved_model import LOAD_ERRORS, add_checkpoint_args, load_saved_model
+from jaxchat.export.saved_model import LOAD_ERRORS, add_checkpoint_args, load_saved_model
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
         fail(str(e))
 
     from jaxchat.common import print0
-    from jaxchat.engine import Engine
+    from jaxchat.model.engine import Engine
 
     engine = Engine(model, tokenizer)
     tokens = tokenizer.encode(args.prompt, prepend=tokenizer.get_bos_token_id())

@@ -11,9 +11,9 @@ import socket
 import tiktoken
 
 from jaxchat.common import fail
-from jaxchat.shards import list_row_groups, read_row_group
+from jaxchat.data.shards import list_row_groups, read_row_group
 from jaxchat.report import Label, Section, get_report
-from jaxchat.tokenizer import TokenizerError, get_tokenizer
+from jaxchat.data.tokenizer import TokenizerError, get_tokenizer
 
 PROSE = """\
 The lighthouse keeper kept a logbook for forty-one years. Most entries were short: the wind's direction,

@@ -9,9 +9,9 @@ import time
 from collections.abc import Iterator
 
 from jaxchat.common import Progress
-from jaxchat.shards import list_row_groups, read_row_group
+from jaxchat.data.shards import list_row_groups, read_row_group
 from jaxchat.report import Label, Section, get_report
-from jaxchat.tokenizer import SPECIAL_TOKENS, Tokenizer, default_tokenizer_dir
+from jaxchat.data.tokenizer import SPECIAL_TOKENS, Tokenizer, default_tokenizer_dir
 
 parser = argparse.ArgumentParser(description="Train a byte-level BPE tokenizer on the training shards")
 parser.add_argument("--max-chars", type=int, default=10_000_000_000, help="stop after this many characters")

@@ -4,7 +4,7 @@
     python -m scripts.train --depth=4 --max-seq-len=512 --device-batch-size=1 --eval-tokens=512 \
         --core-metric-every=-1 --total-batch-size=512 --num-iterations=20   # a tiny CPU run
 
-The flags are jaxchat.settings.RunSettings (every flag of base_train.py keeps its name, default and
+The flags are jaxchat.train.settings.RunSettings (every flag of base_train.py keeps its name, default and
 meaning; the JAX-only ones are grouped at the end); --recipe picks the nanochat commit whose defaults
 apply. Multi-host: start one process per host with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
 JAX_PROCESS_ID set (or under SLURM's srun); each process feeds the devices it owns.
@@ -21,23 +21,23 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if __name__ == "__main__":  # before JAX is imported (jaxchat.common imports it): glibc reads its tunables at start-up
-    from jaxchat.huge_pages import reexec_with_huge_pages
+    from jaxchat.distributed.huge_pages import reexec_with_huge_pages
 
     reexec_with_huge_pages()
 
 from jaxchat.common import PlatformError, fail, select_platform
-from jaxchat.settings import RunSettings, SettingsError, parse_settings
+from jaxchat.train.settings import RunSettings, SettingsError, parse_settings
 
 if TYPE_CHECKING:
     import grain
 
-    from jaxchat.checkpoint import RunCheckpoints
-    from jaxchat.profiling import StepProfiler
+    from jaxchat.checkpoint.manager import RunCheckpoints
+    from jaxchat.train.profiling import StepProfiler
     from jaxchat.report import Report
-    from jaxchat.run import Run
-    from jaxchat.tokenizer import Tokenizer
-    from jaxchat.train_loop import LoopPolicy, LoopState, StepLogger
-    from jaxchat.trainer import TrainState
+    from jaxchat.train.run import Run
+    from jaxchat.data.tokenizer import Tokenizer
+    from jaxchat.train.loop import LoopPolicy, LoopState, StepLogger
+    from jaxchat.train.trainer import TrainState
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -46,15 +46,15 @@ def main(argv: list[str] | None = None) -> None:
     except SettingsError as e:
         fail(str(e))
 
-    from jaxchat.runtime import apply_gpu_defaults
+    from jaxchat.distributed.runtime import apply_gpu_defaults
 
     gpu_defaults_set = apply_gpu_defaults(settings.device_type)  # XLA flags and memory fraction: before JAX starts
 
-    from jaxchat.mesh import maybe_initialize_distributed
+    from jaxchat.distributed.mesh import maybe_initialize_distributed
 
     maybe_initialize_distributed(settings.heartbeat_timeout)  # before anything touches a device
-    from jaxchat.multihost import watch_peers
-    from jaxchat.train_loop import EXIT_STOPPED
+    from jaxchat.distributed.multihost import watch_peers
+    from jaxchat.train.loop import EXIT_STOPPED
 
     try:
         select_platform(settings.device_type)  # before anything starts a backend (--device-type=cpu on a GPU host)
@@ -72,9 +72,9 @@ def main(argv: list[str] | None = None) -> None:
 def said_error_status(error: BaseException) -> int | None:
     """An error whose message says what to do (the library's) is printed in one line: its exit status. None for
     any other (Python prints its traceback)."""
-    from jaxchat.checkpoint_meta import CheckpointError, SaveFailedError
-    from jaxchat.shards import DataError
-    from jaxchat.train_loop import EXIT_SAVE_FAILED
+    from jaxchat.checkpoint.meta import CheckpointError, SaveFailedError
+    from jaxchat.data.shards import DataError
+    from jaxchat.train.loop import EXIT_SAVE_FAILED
 
     if isinstance(error, SaveFailedError):
         status = EXIT_SAVE_FAILED
@@ -127,7 +127,7 @@ def train(settings: RunSettings, gpu_defaults_set: list[str] | None = None) -> b
     except (Exception, KeyboardInterrupt) as e:
         error = e
     # (out of the except block: what finishing the save meets is not taken for a consequence of this error)
-    from jaxchat.multihost import end_after_error
+    from jaxchat.distributed.multihost import end_after_error
 
     # (several processes: ends this one, as a lost peer or as its own error)
     end_after_error(error, session.loop.step, lambda: finish_saving(session, error),
@@ -140,7 +140,7 @@ def finish_saving(s: Session, error: BaseException) -> None:
     """Before the run ends on an error or a second signal: the checkpoint save under way, if any, is finished,
     so that its step is kept (the error comes after it, as it came); a failure of that save is said in its own
     line. A further signal abandons the save, said in one line."""
-    from jaxchat.checkpoint_meta import SaveFailedError
+    from jaxchat.checkpoint.meta import SaveFailedError
 
     if isinstance(error, KeyboardInterrupt):
         print("Interrupted: stopping once the checkpoint save under way (if any) is complete; another signal "
@@ -160,15 +160,15 @@ def finish_saving(s: Session, error: BaseException) -> None:
 
 
 def build(settings: RunSettings, gpu_defaults_set: list[str] | None) -> tuple[Run, Tokenizer, Any]:
-    """The run (jaxchat.run: mesh, batch arithmetic, horizon, optimizer, state shapes), its tokenizer, and
+    """The run (jaxchat.train.run: mesh, batch arithmetic, horizon, optimizer, state shapes), its tokenizer, and
     the CORE bundle if CORE runs during training, each failing before any training compute."""
     import jax
 
     from jaxchat.common import print0
-    from jaxchat.core_eval import download_eval_bundle
-    from jaxchat.huge_pages import huge_pages_note
-    from jaxchat.run import build_run, make_layout
-    from jaxchat.tokenizer import TokenizerError, get_token_bytes, get_tokenizer
+    from jaxchat.eval.core import download_eval_bundle
+    from jaxchat.distributed.huge_pages import huge_pages_note
+    from jaxchat.train.run import build_run, make_layout
+    from jaxchat.data.tokenizer import TokenizerError, get_token_bytes, get_tokenizer
 
     layout = make_layout(settings)  # a batch that does not divide fails before any loading
     device = layout.mesh.devices.flat[0]
@@ -199,7 +199,7 @@ def make_loaders(settings: RunSettings, run: Run, tokenizer: Tokenizer) -> tuple
     import jax
 
     from jaxchat.common import print0
-    from jaxchat.dataloader import make_train_loader, make_val_loader
+    from jaxchat.data.loader import make_train_loader, make_val_loader
 
     where = (jax.process_index(), jax.process_count())
     local_rows = settings.device_batch_size * sum(d.process_index == where[0] for d in run.mesh.devices.flat)
@@ -224,10 +224,10 @@ def setup(settings: RunSettings, gpu_defaults_set: list[str] | None) -> Session:
     """Run, data, checkpoints (checked writable before any compute), the state (restored or fresh), logging."""
     import numpy as np
 
-    from jaxchat.checkpoint import RunCheckpoints, check_writable, checkpoint_dir
+    from jaxchat.checkpoint.manager import RunCheckpoints, check_writable, checkpoint_dir
     from jaxchat.common import DummyWandb, get_base_dir, is_master, peak_flops_per_device, tree_nbytes
     from jaxchat.report import get_report
-    from jaxchat.train_loop import LoopPolicy, StepLogger
+    from jaxchat.train.loop import LoopPolicy, StepLogger
 
     if settings.run == "dummy" or not is_master():
         wandb_run = DummyWandb()
@@ -264,8 +264,8 @@ def start_state(settings: RunSettings, run: Run, tokenizer: Tokenizer, checkpoin
     """The state the run starts from, as the plan (RunCheckpoints.plan_start) says: restored, or new (from
     --init-from's weights, if given)."""
     from jaxchat.common import print0
-    from jaxchat.saved_model import load_init_params
-    from jaxchat.train_loop import LoopState
+    from jaxchat.export.saved_model import load_init_params
+    from jaxchat.train.loop import LoopState
 
     state = run.init_state()
     if plan.resume is not None:
@@ -289,7 +289,7 @@ def start_state(settings: RunSettings, run: Run, tokenizer: Tokenizer, checkpoin
 
 
 def save(s: Session, step: int) -> None:
-    from jaxchat.checkpoint_meta import training_meta
+    from jaxchat.checkpoint.meta import training_meta
 
     s.logger.write_curve(s.report)
     s.checkpointer.save(step, s.state.params, s.state.opt_state, s.train_loader,
@@ -299,7 +299,7 @@ def save(s: Session, step: int) -> None:
 def evaluate_val(s: Session, step: int) -> None:
     """Validation bpb (every process takes part), into the loop state, the curve and wandb."""
     from jaxchat.common import print0
-    from jaxchat.loss_eval import evaluate_bpb
+    from jaxchat.eval.bpb import evaluate_bpb
 
     s.loop.val_bpb = evaluate_bpb(s.state.model(), s.val_loader(), s.eval_steps, s.token_bytes, s.run.mesh)
     print0(f"Step {step:05d} | Validation bpb: {s.loop.val_bpb:.6f}")
@@ -312,7 +312,7 @@ def evaluate_val(s: Session, step: int) -> None:
 
 def evaluate_core_metric(s: Session, step: int) -> None:
     from jaxchat.common import print0
-    from jaxchat.core_eval import evaluate_core
+    from jaxchat.eval.core import evaluate_core
 
     s.core_results = evaluate_core(s.state.model(), s.tokenizer, max_per_task=s.settings.core_metric_max_per_task)
     print0(f"Step {step:05d} | CORE metric: {s.core_results['core_metric']:.4f}")
@@ -325,7 +325,7 @@ def sample(s: Session) -> None:
     """Greedy completions of the fixed prompts (every process runs them, so that sharded parameters stay
     usable on several hosts; process 0 prints)."""
     from jaxchat.common import print0
-    from jaxchat.engine import SAMPLE_PROMPTS, Engine
+    from jaxchat.model.engine import SAMPLE_PROMPTS, Engine
 
     engine = Engine(s.state.model(), s.tokenizer)
     for prompt in SAMPLE_PROMPTS:
@@ -337,8 +337,8 @@ def sample(s: Session) -> None:
 def run_loop(s: Session) -> bool:
     """num_iterations + 1 passes, so that the last one evaluates and saves; True when a signal stopped it
     before its last step. Each step is sent, then the previous step's loss is read while it runs."""
-    from jaxchat.mesh import batch_sharding
-    from jaxchat.train_loop import StopSignals
+    from jaxchat.distributed.mesh import batch_sharding
+    from jaxchat.train.loop import StopSignals
 
     batch_spec = batch_sharding(s.run.mesh)
     train_step = s.run.train_step()
@@ -353,7 +353,7 @@ def run_loop(s: Session) -> bool:
 def make_profiler(s: Session) -> StepProfiler:
     """--profile-steps' tracer, into <base_dir>/profiles/<model tag>; a window this run never reaches is said."""
     from jaxchat.common import get_base_dir, print0
-    from jaxchat.profiling import StepProfiler
+    from jaxchat.train.profiling import StepProfiler
 
     window = s.settings.profile_window
     trace_dir = os.path.join(get_base_dir(), "profiles", os.path.basename(s.checkpointer.directory))
@@ -366,7 +366,7 @@ def make_profiler(s: Session) -> StepProfiler:
 def train_steps(s: Session, train_step, batch_spec, stop, profiler: StepProfiler) -> bool:
     """run_loop's loop: each pass does the work due between steps, then sends the next step."""
     from jaxchat.common import print0
-    from jaxchat.mesh import put_batch
+    from jaxchat.distributed.mesh import put_batch
 
     loop, logger, policy = s.loop, s.logger, s.policy
     # each piece of work between steps; the save comes before CORE and samples, so that nothing they do
@@ -410,7 +410,7 @@ def finish(s: Session) -> None:
 
     from jaxchat.common import print0
     from jaxchat.report import Label, Section
-    from jaxchat.train_loop import timed_steps
+    from jaxchat.train.loop import timed_steps
 
     s.logger.flush(s.loop)
     s.logger.write_curve(s.report)

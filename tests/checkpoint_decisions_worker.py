@@ -41,7 +41,7 @@ def hide_from_this_process(hidden: str) -> None:
 
 
 def main(run_dir: str, no_locks_dir: str, data_run_dir: str) -> None:
-    from jaxchat.mesh import maybe_initialize_distributed
+    from jaxchat.distributed.mesh import maybe_initialize_distributed
 
     maybe_initialize_distributed()  # before anything touches a device
     import errno
@@ -51,10 +51,10 @@ def main(run_dir: str, no_locks_dir: str, data_run_dir: str) -> None:
     import jax
     import numpy as np
 
-    from jaxchat.checkpoint import RunCheckpoints
-    from jaxchat.checkpoint_meta import LATEST, CheckpointError
-    from jaxchat.mesh import make_mesh, replicated
-    from jaxchat.shards import DataError
+    from jaxchat.checkpoint.manager import RunCheckpoints
+    from jaxchat.checkpoint.meta import LATEST, CheckpointError
+    from jaxchat.distributed.mesh import make_mesh, replicated
+    from jaxchat.data.shards import DataError
 
     if jax.process_index() == 1:
         hide_from_this_process(os.path.join(run_dir, "2"))

@@ -7,7 +7,7 @@ import functools
 
 from flax import nnx
 
-from jaxchat.gpt import GPT, GPTConfig
+from jaxchat.model.gpt import GPT, GPTConfig
 
 
 def new_model(config: GPTConfig, seed: int = 0, **model_kwargs) -> GPT:

@@ -51,7 +51,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="session")
 def builtin_docs() -> list[str]:
     """The built-in corpus (the docstrings of Python's standard library), parsed once per session."""
-    from jaxchat import local_corpus
+    from jaxchat.data import local_corpus
 
     return local_corpus.builtin_documents()
 
@@ -66,8 +66,8 @@ def make_base_dir(builtin_docs):
     test run tokenised ~3 M characters (the two-host pairs alone: 74 CPU-seconds, 70 with these)."""
 
     def make(path):
-        from jaxchat import local_corpus
-        from jaxchat.tokenizer import Tokenizer
+        from jaxchat.data import local_corpus
+        from jaxchat.data.tokenizer import Tokenizer
 
         documents = [doc[:600] for doc in builtin_docs[:300]]
         chars_per_shard = sum(map(len, documents)) // 6 + 1
@@ -93,7 +93,7 @@ def _libtpu_installed() -> bool:
 
 
 def _cuda_plugin_installed() -> bool:
-    from jaxchat.runtime import cuda_plugin_installed
+    from jaxchat.distributed.runtime import cuda_plugin_installed
 
     return cuda_plugin_installed()
 

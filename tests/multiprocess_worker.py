@@ -13,11 +13,11 @@ def train_losses(mesh, fails_at: tuple[int, int] | None = None) -> list[float]:
     import jax
     from flax import nnx
 
-    from jaxchat.gpt import GPTConfig
-    from jaxchat.mesh import batch_sharding, put_batch
-    from jaxchat.multihost import end_after_error
-    from jaxchat.optim import setup_optimizer
-    from jaxchat.trainer import abstract_model, init_train_state, make_train_step
+    from jaxchat.model.gpt import GPTConfig
+    from jaxchat.distributed.mesh import batch_sharding, put_batch
+    from jaxchat.distributed.multihost import end_after_error
+    from jaxchat.optim.recipes import setup_optimizer
+    from jaxchat.train.trainer import abstract_model, init_train_state, make_train_step
 
     config = GPTConfig(sequence_len=32, vocab_size=256, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
     optimizer = setup_optimizer(nnx.state(abstract_model(config), nnx.Param), model_dim=config.n_embd,
@@ -46,9 +46,9 @@ def train_losses(mesh, fails_at: tuple[int, int] | None = None) -> list[float]:
 
 
 if __name__ == "__main__":
-    from jaxchat.mesh import make_mesh, maybe_initialize_distributed
+    from jaxchat.distributed.mesh import make_mesh, maybe_initialize_distributed
 
-    from jaxchat.multihost import watch_peers
+    from jaxchat.distributed.multihost import watch_peers
 
     maybe_initialize_distributed()  # before anything touches a device
     watch_peers()

@@ -110,7 +110,7 @@ def randomized(config, seed: int = 0):
     import jax
     from flax import nnx
 
-    from jaxchat.gpt import abstract_model
+    from jaxchat.model.gpt import abstract_model
 
     model = abstract_model(config)
     state = nnx.state(model, nnx.Param)

@@ -10,13 +10,13 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxchat.gpt import GPTConfig
-from jaxchat.compile_only import cudnn_without_gpu, partitioned_hlo
-from jaxchat.hlo import SLICED_ALL_REDUCE, hlo_collectives, stablehlo_tensors
-from jaxchat.footprint import kept_activations
-from jaxchat.memory import memory_estimate
-from jaxchat.run import RunSettings
-from jaxchat.trainer import abstract_model
+from jaxchat.model.gpt import GPTConfig
+from jaxchat.compiled.compile_only import cudnn_without_gpu, partitioned_hlo
+from jaxchat.compiled.hlo import SLICED_ALL_REDUCE, hlo_collectives, stablehlo_tensors
+from jaxchat.model.footprint import kept_activations
+from jaxchat.compiled.memory import memory_estimate
+from jaxchat.train.run import RunSettings
+from jaxchat.train.trainer import abstract_model
 
 N = 8  # tests/conftest.py gives 8 CPU devices
 
@@ -182,8 +182,8 @@ def test_dots_keeps_the_matmul_outputs_and_cudnn_attention():
 @pytest.mark.parametrize("devices", [1, 2])
 def test_the_estimate_against_the_step_compiled_for_h100s(devices):
     """scripts.bench memory's estimate (abstract shapes, a CPU) against XLA's memory analysis of the same
-    step compiled for H100s (jaxchat.compile_only). Needs JAX's CUDA plugin (the cuda12 extra), no GPU."""
-    from jaxchat.compile_only import compile_for_target
+    step compiled for H100s (jaxchat.compiled.compile_only). Needs JAX's CUDA plugin (the cuda12 extra), no GPU."""
+    from jaxchat.compiled.compile_only import compile_for_target
 
     batch, seq, vocab = 4, 512, 8192
     settings = RunSettings(depth=2, device_batch_size=batch, max_seq_len=seq, remat="dots")

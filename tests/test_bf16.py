@@ -21,11 +21,11 @@ from flax import nnx
 from jax.extend import source_info_util
 
 from nanochat_numpy import bf16_round, np_forward, randomized, rel_err
-from jaxchat.gpt import GPTConfig
-from jaxchat.interop import from_nanochat_state_dict, to_nanochat_state_dict
-from jaxchat.mesh import make_mesh
-from jaxchat.optim import setup_optimizer
-from jaxchat.trainer import abstract_model, abstract_train_state, make_train_step
+from jaxchat.model.gpt import GPTConfig
+from jaxchat.export.nanochat import from_nanochat_state_dict, to_nanochat_state_dict
+from jaxchat.distributed.mesh import make_mesh
+from jaxchat.optim.recipes import setup_optimizer
+from jaxchat.train.trainer import abstract_model, abstract_train_state, make_train_step
 
 CONFIG = GPTConfig(sequence_len=32, vocab_size=128, n_layer=3, n_head=4, n_kv_head=2, n_embd=64, window_pattern="SL")
 BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)
@@ -81,7 +81,7 @@ def float32_scalars_rounded_to_bf16(jaxpr) -> list[str]:
 
 @pytest.fixture(scope="module")
 def train_step_jaxpr():
-    """The bf16 train step of jaxchat.trainer (grad accumulation scan, forward, loss, gradient, Muon
+    """The bf16 train step of jaxchat.train.trainer (grad accumulation scan, forward, loss, gradient, Muon
     split over 8 devices + AdamW, apply_updates), traced on shapes only."""
     mesh = make_mesh(8)
     optimizer = setup_optimizer(nnx.state(abstract_model(CONFIG), nnx.Param), model_dim=CONFIG.n_embd,

@@ -29,19 +29,19 @@ from conftest import TRAIN_STEP_LINE, VAL_BPB_LINE, host_xla_flags
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxchat import checkpoint as ckpt
-from jaxchat import checkpoint_damage
-from jaxchat import run_directory as rundir
-from jaxchat import saved_model
-from jaxchat.checkpoint_meta import LATEST, parse_resume_step, tokenizer_info
+from jaxchat.checkpoint import manager as ckpt
+from jaxchat.checkpoint import damage as checkpoint_damage
+from jaxchat.checkpoint import run_directory as rundir
+from jaxchat.export import saved_model
+from jaxchat.checkpoint.meta import LATEST, parse_resume_step, tokenizer_info
 from jaxchat.common import tree_nbytes
-from jaxchat.gpt import GPTConfig
-from jaxchat.mesh import make_mesh, put_batch, batch_sharding, replicated
-from jaxchat.optim import setup_optimizer
-from jaxchat.run_lock import RunLockedError, acquire_run_lock
-from jaxchat.trainer import abstract_model, abstract_train_state, init_train_state, make_train_step
-from jaxchat.tokenizer import Tokenizer
-from jaxchat.train_loop import EXIT_SAVE_FAILED
+from jaxchat.model.gpt import GPTConfig
+from jaxchat.distributed.mesh import make_mesh, put_batch, batch_sharding, replicated
+from jaxchat.optim.recipes import setup_optimizer
+from jaxchat.checkpoint.lock import RunLockedError, acquire_run_lock
+from jaxchat.train.trainer import abstract_model, abstract_train_state, init_train_state, make_train_step
+from jaxchat.data.tokenizer import Tokenizer
+from jaxchat.train.loop import EXIT_SAVE_FAILED
 from scripts import train as train_script
 
 CONFIG = GPTConfig(sequence_len=16, vocab_size=300, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
@@ -554,7 +554,7 @@ def test_a_second_writer_is_refused_at_once_naming_the_holder(tmp_path):
 @pytest.mark.slow
 def test_the_lock_goes_with_the_process_that_held_it(tmp_path):
     """flock is released by the kernel however the holder ends: a killed run leaves no stale lock."""
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from jaxchat.run_lock import acquire_run_lock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from jaxchat.checkpoint.lock import acquire_run_lock; "
                                f"lock = acquire_run_lock({str(tmp_path)!r}); print('locked', flush=True); time.sleep(60)"],
                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), stdout=subprocess.PIPE,
                               text=True)

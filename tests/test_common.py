@@ -88,10 +88,10 @@ def test_quiet_libraries_leave_one_line_per_error(monkeypatch, capsys):
 def test_a_missing_tokenizer_data_or_model_names_the_base_dir_and_the_one_that_has_it(tmp_path, monkeypatch):
     """After the CPU demo (its own base directory), the other commands look in the default one: each error says
     where it looked, that $JAXCHAT_BASE_DIR chooses, and the prefix that finds the demo's."""
-    from jaxchat.checkpoint_meta import NoCheckpointError
-    from jaxchat.run_directory import find_model_tag
-    from jaxchat.shards import parquet_paths_for_split
-    from jaxchat.tokenizer import get_token_bytes, get_tokenizer
+    from jaxchat.checkpoint.meta import NoCheckpointError
+    from jaxchat.checkpoint.run_directory import find_model_tag
+    from jaxchat.data.shards import parquet_paths_for_split
+    from jaxchat.data.tokenizer import get_token_bytes, get_tokenizer
 
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("JAXCHAT_BASE_DIR", raising=False)

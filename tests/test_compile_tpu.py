@@ -1,4 +1,4 @@
-"""The train step compiled for TPU slices on this CPU (jaxchat.compile_only, the `tpu` extra's libtpu): XLA:TPU's
+"""The train step compiled for TPU slices on this CPU (jaxchat.compiled.compile_only, the `tpu` extra's libtpu): XLA:TPU's
 whole pipeline with splash attention's Mosaic kernels, the memory per chip and the collectives. Marked
 tpu_plugin: skipped without libtpu; .ci/run runs them once it has installed the tpu extra."""
 
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from jaxchat.compile_only import CompileOnlyError, TPU_HBM_BYTES, check_target, compile_for_target
-from jaxchat.run import RunSettings
+from jaxchat.compiled.compile_only import CompileOnlyError, TPU_HBM_BYTES, check_target, compile_for_target
+from jaxchat.train.run import RunSettings
 from scripts import gpu_check
 
 D2 = RunSettings(depth=2, max_seq_len=1024, device_batch_size=2)  # windows 512 and 1024: two tiles of 512
@@ -55,7 +55,7 @@ def gpu_check_args(tmp_path, target: str, *flags: str, accumulate: bool = False)
     """gpu_check's --compile-only arguments: a d2 step at T=1024, 2 rows per chip, then the flags given."""
     import argparse
 
-    from jaxchat.settings import add_setting_flags
+    from jaxchat.train.settings import add_setting_flags
 
     parser = argparse.ArgumentParser()
     add_setting_flags(parser)
@@ -80,7 +80,7 @@ def test_targets_are_named_and_need_libtpu():
 @pytest.mark.tpu_plugin
 def test_evaluation_and_fsdp_run_splash_per_device_on_a_tpu():
     """XLA cannot partition a Mosaic kernel: a jit over sharded rows (evaluation, --fsdp's step) failed to
-    lower with 'wrap the call in a shard_map' until splash ran in one over the rows (jaxchat.mesh.rows_partitioned)."""
+    lower with 'wrap the call in a shard_map' until splash ran in one over the rows (jaxchat.distributed.mesh.rows_partitioned)."""
     import dataclasses
 
     import jax
@@ -88,11 +88,11 @@ def test_evaluation_and_fsdp_run_splash_per_device_on_a_tpu():
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from jaxchat import loss_eval
-    from jaxchat.compile_only import tpu_devices
-    from jaxchat.gpt import GPT, GPTConfig
-    from jaxchat.mesh import DATA_AXIS, make_mesh
-    from jaxchat.splash_attention import compiling_for_tpu
+    from jaxchat.eval import bpb as loss_eval
+    from jaxchat.compiled.compile_only import tpu_devices
+    from jaxchat.model.gpt import GPT, GPTConfig
+    from jaxchat.distributed.mesh import DATA_AXIS, make_mesh
+    from jaxchat.model.splash_attention import compiling_for_tpu
 
     report = compile_for_target(dataclasses.replace(D2, fsdp=True), 8192, None, target="v6e:2x4")
     assert report["kernels"]["splash"]["splash_mqa_fwd_residuals"] == 2

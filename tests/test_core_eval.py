@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxchat import core_eval, download
-from jaxchat.core_eval import (
+from jaxchat.eval import core as core_eval
+
+from jaxchat.data import download
+from jaxchat.eval.core import (
     download_eval_bundle,
     evaluate_core,
     fewshot_indices,
@@ -27,9 +29,9 @@ from jaxchat.core_eval import (
     render_prompts_mc,
     render_prompts_schema,
 )
-from jaxchat.gpt import GPTConfig
-from jaxchat.interop import to_nanochat_state_dict
-from jaxchat.tokenizer import Tokenizer
+from jaxchat.model.gpt import GPTConfig
+from jaxchat.export.nanochat import to_nanochat_state_dict
+from jaxchat.data.tokenizer import Tokenizer
 from nanochat_numpy import np_forward, randomized
 
 # ---- a small bundle in the real format ----------------------------------------------------------

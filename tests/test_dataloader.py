@@ -20,9 +20,9 @@ import pytest
 
 from jax.sharding import SingleDeviceSharding
 
-from jaxchat import checkpoint as ckpt
-from jaxchat import dataloader, shards
-from jaxchat.tokenizer import Tokenizer
+from jaxchat.checkpoint import manager as ckpt
+from jaxchat.data import loader as dataloader, shards
+from jaxchat.data.tokenizer import Tokenizer
 
 BOS = 0  # the synthetic documents' BOS; their other tokens are their own id (>= 1)
 

@@ -13,12 +13,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jaxchat import dataset, download
+from jaxchat import dataset
+
+from jaxchat.data import download
 from jaxchat.common import Progress
-from jaxchat.shards import (CORPUS_INFO_FILE, CorruptShardError, list_parquet_files, list_row_groups,
+from jaxchat.data.shards import (CORPUS_INFO_FILE, CorruptShardError, list_parquet_files, list_row_groups,
                             parquet_paths_for_split, read_row_group, shard_filename)
-from jaxchat.download import DownloadError, download_shard, download_shards
-from jaxchat.local_corpus import split_into_documents, write_shards
+from jaxchat.data.download import DownloadError, download_shard, download_shards
+from jaxchat.data.local_corpus import split_into_documents, write_shards
 
 
 def parquet_bytes(docs: list[str], row_group_size: int = 2) -> bytes:
@@ -82,7 +84,7 @@ def test_a_recipe_without_shards_gets_commands_that_work_as_given(tmp_path, monk
     import re
     import shlex
 
-    from jaxchat.settings import RunSettings
+    from jaxchat.train.settings import RunSettings
 
     monkeypatch.setenv("JAXCHAT_BASE_DIR", str(tmp_path))
     make_shards(tmp_path / "base_data", 2)
@@ -312,7 +314,7 @@ def test_climbmix_layout_fetches_n_training_shards_and_always_its_validation_sha
 
 
 def test_a_recipe_trains_on_its_corpus_by_default(tmp_path, monkeypatch):
-    from jaxchat.settings import RunSettings
+    from jaxchat.train.settings import RunSettings
 
     monkeypatch.setenv("JAXCHAT_BASE_DIR", str(tmp_path))
     assert RunSettings().corpus_dir == str(tmp_path / "base_data")

@@ -7,10 +7,10 @@ import pytest
 from compiled import forward
 from nanochat_numpy import randomized
 
-from jaxchat import engine as engine_module
-from jaxchat.engine import Engine
-from jaxchat.gpt import GPT, GPTConfig
-from jaxchat.tokenizer import Tokenizer
+from jaxchat.model import engine as engine_module
+from jaxchat.model.engine import Engine
+from jaxchat.model.gpt import GPT, GPTConfig
+from jaxchat.data.tokenizer import Tokenizer
 
 # windows: 6, 6 and 12 (the last layer is always full); prompts below are longer than 6
 CONFIG = GPTConfig(sequence_len=12, vocab_size=300, n_layer=3, n_head=2, n_kv_head=1, n_embd=32, window_pattern="S")

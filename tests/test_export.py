@@ -27,13 +27,13 @@ import safetensors.numpy
 import tiktoken
 from flax import nnx
 
-from jaxchat import checkpoint as ckpt
-from jaxchat.saved_model import load_model
-from jaxchat.checkpoint_meta import tokenizer_info
-from jaxchat.gpt import GPT, GPTConfig
-from jaxchat.interop import (NANOCHAT_META_KEYS, from_nanochat_state_dict, load_nanochat_tokenizer,
+from jaxchat.checkpoint import manager as ckpt
+from jaxchat.export.saved_model import load_model
+from jaxchat.checkpoint.meta import tokenizer_info
+from jaxchat.model.gpt import GPT, GPTConfig
+from jaxchat.export.nanochat import (NANOCHAT_META_KEYS, from_nanochat_state_dict, load_nanochat_tokenizer,
                              save_nanochat_tokenizer, to_nanochat_state_dict)
-from jaxchat.tokenizer import SPECIAL_TOKENS, Tokenizer
+from jaxchat.data.tokenizer import SPECIAL_TOKENS, Tokenizer
 from scripts.export import export_checkpoint, export_to_nanochat, import_weights, main
 
 try:

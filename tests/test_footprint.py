@@ -1,10 +1,10 @@
-"""--remat auto (jaxchat.footprint, jaxchat.run.resolve_remat): the decision as a pure function of
+"""--remat auto (jaxchat.model.footprint, jaxchat.train.run.resolve_remat): the decision as a pure function of
 (estimates, budget), and on the estimates of real configurations from abstract shapes (nothing allocated)."""
 
 import pytest
 
-from jaxchat.footprint import REMAT_BY_COST, XLA_MARGIN, choose_remat
-from jaxchat.run import RunSettings, build_run
+from jaxchat.model.footprint import REMAT_BY_COST, XLA_MARGIN, choose_remat
+from jaxchat.train.run import RunSettings, build_run
 
 GIB = 2**30
 
@@ -54,9 +54,9 @@ def test_d20_batch_32_on_an_h100_picks_dots():
     80 GB H100 (0.90 of the target's 79.1 GiB = 71.19 GiB; less the 10% margin, 64.07 GiB). The estimate
     from shapes (the line build_run prints, and docs/benchmarks.md's kept activations): state 8.99 GiB;
     `none` keeps ~105 GiB (over), `dots` keeps 32.39 GiB (41.38 in all: under; of it 0.31 GiB is the loss
-    head's float32 dw, kept from its forward pass, jaxchat.loss), so the budget lies between the two
+    head's float32 dw, kept from its forward pass, jaxchat.model.loss), so the budget lies between the two
     policies' needs and auto picks the middle one, dots."""
-    from jaxchat.compile_only import cudnn_without_gpu, target_pool_bytes
+    from jaxchat.compiled.compile_only import cudnn_without_gpu, target_pool_bytes
 
     lines = []
     with cudnn_without_gpu() as gate:

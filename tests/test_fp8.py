@@ -1,4 +1,4 @@
-"""fp8 training (jaxchat/fp8.py): tensorwise quantisation, saturation and the three matmuls against a
+"""fp8 training (jaxchat/model/fp8.py): tensorwise quantisation, saturation and the three matmuls against a
 float64 NumPy version of nanochat's scaling maths (nanochat/fp8.py at 92d63d4), the fp8 loss head,
 non-finite inputs, the step lowered for CUDA, a d2 train step against the same step without fp8, and
 an fp8-trained checkpoint against one trained without."""
@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxchat import fp8, gpt
-from jaxchat.checkpoint import RunCheckpoints
-from jaxchat.interop import to_nanochat_state_dict
-from jaxchat.loss import LOGIT_SOFTCAP, token_losses
-from jaxchat.mesh import batch_sharding, make_mesh, put_batch
-from jaxchat.run import RunSettings, SettingsError, abstract_batch, build_run
-from jaxchat.trainer import TrainState, abstract_model
+from jaxchat.model import fp8, gpt
+from jaxchat.checkpoint.manager import RunCheckpoints
+from jaxchat.export.nanochat import to_nanochat_state_dict
+from jaxchat.model.loss import LOGIT_SOFTCAP, token_losses
+from jaxchat.distributed.mesh import batch_sharding, make_mesh, put_batch
+from jaxchat.train.run import RunSettings, SettingsError, abstract_batch, build_run
+from jaxchat.train.trainer import TrainState, abstract_model
 
 U32 = 2.0 ** -24  # float32 unit roundoff
 E5M2_U = 2.0 ** -3  # e5m2 unit roundoff (2 mantissa bits): a normal value rounds within 2^-3 of itself
@@ -127,7 +127,7 @@ def test_matmul_of_zeros_is_exactly_zero():
 
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
 def test_a_non_finite_operand_makes_the_whole_product_nan(bad):
-    """The documented outcome (jaxchat/fp8.py): an inf or NaN anywhere in an operand gives NaN in every
+    """The documented outcome (jaxchat/model/fp8.py): an inf or NaN anywhere in an operand gives NaN in every
     element of that matmul's result (never a finite value saturated at the fp8 maximum), so the loss turns
     NaN at once. Forward: a bad activation; backward: a bad gradient element poisons dx and dw."""
     rng = np.random.default_rng(3)
@@ -145,7 +145,7 @@ def test_a_non_finite_operand_makes_the_whole_product_nan(bad):
 # ---- the loss head --------------------------------------------------------------------------------
 def test_fp8_loss_head_against_numpy():
     """token_losses(fp8=True): x and w quantised to e4m3 once over the whole tensor, each chunk's dz to
-    e5m2 with its own scale (jaxchat/loss.py). The reference does the same in float64 from the same
+    e5m2 with its own scale (jaxchat/model/loss.py). The reference does the same in float64 from the same
     float32 inputs. Bounds: z's error is product_bound's; the loss moves by at most 2 max|dz| (its
     gradient in z, softmax - onehot, has an L1 norm <= 2), plus float32's logsumexp over V terms; dx and dw
     from the e5m2 dz: dz itself is float32 in jaxchat and float64 here, so the two may round to
@@ -240,7 +240,7 @@ def test_the_step_lowered_for_cuda_has_fp8_dots():
     """The whole train step (bf16 compute, remat 'dots') lowered for CUDA without a GPU: every matmul
     without batch dimensions (attention's and Muon's stacks have them) takes fp8 operands, in nanochat's
     pairing (e4m3 x e4m3 forward, e5m2 x e4m3 dgrad, e4m3 x e5m2 wgrad), once per layer and pass: 13
-    forward, 13 dgrad, 13 wgrad (the loss head's computes its chunk's logits once, jaxchat.loss). Each fp8
+    forward, 13 dgrad, 13 wgrad (the loss head's computes its chunk's logits once, jaxchat.model.loss). Each fp8
     product is multiplied by one scalar (the product of the two inverse scales), which is what XLA's
     GemmRewriter folds into the cuBLASLt fp8 GEMM."""
     run = d2_run(True, compute_dtype="bfloat16", attention="xla", remat="dots")
@@ -269,8 +269,8 @@ def test_the_step_compiled_for_an_h100_runs_its_fp8_dots_as_fp8_cublaslt_gemms()
     cuBLASLt GEMM (`__cublas$lt$matmul$f8`), 14 per layer (XLA merges the q, k, v matmuls that share their
     input, and their wgrads: 6 + 6 + 6 - 4) and 3 for the loss head (forward, dgrad, wgrad), as
     docs/benchmarks.md counts them; and nothing in the program is f16. A target without a CUDA version
-    (jaxchat/targets' runtime_version) compiles them as f16 GEMMs of upcast e4m3 values instead."""
-    from jaxchat.compile_only import compile_for_target
+    (jaxchat/compiled/targets' runtime_version) compiles them as f16 GEMMs of upcast e4m3 values instead."""
+    from jaxchat.compiled.compile_only import compile_for_target
 
     depth = 2
     settings = RunSettings(depth=depth, max_seq_len=256, device_batch_size=2, remat="dots", fp8=True)
@@ -403,7 +403,7 @@ def test_what_each_remat_policy_keeps_with_fp8():
     fp8 matmul keeps its e4m3 operands (1 byte each) where a bf16 one keeps its bf16 input: less. With
     'dots' a block's fp8 matmul keeps its bf16 result, as a bf16 matmul does, never its float32 product:
     the blocks keep the same bytes, and the loss head (outside the blocks' remat) keeps its gradients dx
-    and dw, computed in its forward pass (jaxchat.loss), with fp8 or without: the same bytes in all.
+    and dw, computed in its forward pass (jaxchat.model.loss), with fp8 or without: the same bytes in all.
     'block' keeps each block's input either way: again the same."""
     from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved_residuals
 

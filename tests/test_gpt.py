@@ -11,9 +11,9 @@ from flax import nnx
 
 from compiled import forward, new_model
 from nanochat_numpy import np_forward, randomized
-from jaxchat.attention import causal_attention
-from jaxchat.gpt import GPT, CausalSelfAttention, GPTConfig, abstract_model
-from jaxchat.interop import from_nanochat_state_dict, to_nanochat_state_dict
+from jaxchat.model.attention import causal_attention
+from jaxchat.model.gpt import GPT, CausalSelfAttention, GPTConfig, abstract_model
+from jaxchat.export.nanochat import from_nanochat_state_dict, to_nanochat_state_dict
 
 TINY = GPTConfig(sequence_len=16, vocab_size=100, n_layer=3, n_head=4, n_kv_head=2, n_embd=32, window_pattern="SL")
 
@@ -124,11 +124,11 @@ def test_window_semantics_in_attention():
 
 @pytest.mark.parametrize("window", [0, 1, 100, 127, 128, 200, 299])
 def test_blocked_attention_against_float64(window):
-    """The 'xla' path in query blocks (jaxchat.attention.blocked_attention): T = 300 is three blocks of 128,
+    """The 'xla' path in query blocks (jaxchat.model.attention.blocked_attention): T = 300 is three blocks of 128,
     128 and 44 rows, windows inside a block, across blocks and the whole context, GQA (4 query heads on 2
     key heads). Forward against float64 NumPy; gradients against the unblocked masked attention of
     jax.nn.dot_product_attention (the same maths in one piece), both within float32 rounding of values ~1."""
-    from jaxchat.attention import blocked_attention, query_block_len
+    from jaxchat.model.attention import blocked_attention, query_block_len
 
     T, H, Hkv, D = 300, 4, 2, 8
     assert query_block_len(T) == 128
@@ -155,7 +155,7 @@ def test_window_semantics_in_model_layers():
     model = randomized(config, seed=5)
     attn: CausalSelfAttention = model.blocks[0].attn
     x = jax.random.normal(jax.random.key(0), (1, 16, 16))
-    from jaxchat.gpt import rotary_cos_sin
+    from jaxchat.model.gpt import rotary_cos_sin
 
     cos, sin = rotary_cos_sin(jnp.arange(16), config.head_dim)
     layer = nnx.jit(lambda attn, x: attn(x, cos, sin))

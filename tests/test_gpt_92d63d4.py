@@ -16,14 +16,14 @@ from flax import nnx
 
 from compiled import forward, new_model
 from nanochat_numpy import np_forward, randomized
-from jaxchat import checkpoint as ckpt
-from jaxchat import checkpoint_meta
-from jaxchat.saved_model import load_model
-from jaxchat.engine import Engine
-from jaxchat.gpt import GPT, GPTConfig, abstract_model, count_params
-from jaxchat.interop import META_KEYS_OF_RECIPE, to_nanochat_state_dict
-from jaxchat.optim import Horizon, ParamLayout, setup_optimizer
-from jaxchat.tokenizer import Tokenizer
+from jaxchat.checkpoint import manager as ckpt
+from jaxchat.checkpoint import meta as checkpoint_meta
+from jaxchat.export.saved_model import load_model
+from jaxchat.model.engine import Engine
+from jaxchat.model.gpt import GPT, GPTConfig, abstract_model, count_params
+from jaxchat.export.nanochat import META_KEYS_OF_RECIPE, to_nanochat_state_dict
+from jaxchat.optim.recipes import Horizon, ParamLayout, setup_optimizer
+from jaxchat.data.tokenizer import Tokenizer
 from scripts.export import export_checkpoint, export_to_nanochat, import_weights
 
 RECIPE = "92d63d4"

@@ -115,7 +115,7 @@ def test_reports_go_under_the_base_dir_one_per_target(tmp_path, monkeypatch):
 
 
 def test_compile_only_says_what_to_install(tmp_path, environment):
-    from jaxchat.runtime import cuda_plugin_installed
+    from jaxchat.distributed.runtime import cuda_plugin_installed
 
     if cuda_plugin_installed():
         pytest.skip("JAX's CUDA plugin is installed here: test_compile_only_for_h100s runs instead")

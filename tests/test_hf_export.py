@@ -26,11 +26,11 @@ from nanochat_numpy import randomized  # noqa: E402
 from test_export import TEXT, save_checkpoint  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from jaxchat import hf_modeling  # noqa: E402
-from jaxchat.hf_export import push_to_hub  # noqa: E402
-from jaxchat.core_eval import RowScorer, ScoredRows  # noqa: E402
-from jaxchat.gpt import GPTConfig  # noqa: E402
-from jaxchat.tokenizer import Tokenizer  # noqa: E402
+from jaxchat.export import hf_modeling  # noqa: E402
+from jaxchat.export.hf import push_to_hub  # noqa: E402
+from jaxchat.eval.core import RowScorer, ScoredRows  # noqa: E402
+from jaxchat.model.gpt import GPTConfig  # noqa: E402
+from jaxchat.data.tokenizer import Tokenizer  # noqa: E402
 from scripts import export, sample  # noqa: E402
 
 SEQ = 256  # 92d63d4's short window is a quarter rounded up to 128: shorter than the sequence only from 256 on
@@ -127,7 +127,7 @@ def test_fast_tokenizer_gives_jaxchats_ids(exported, tokenizer):
 
 
 def jaxchat_logprob(model, tokenizer, context: str, continuation: str) -> float:
-    """log p(continuation | BOS + context) by jaxchat.core_eval's scoring (its mean loss over the span)."""
+    """log p(continuation | BOS + context) by jaxchat.eval.core's scoring (its mean loss over the span)."""
     bos = tokenizer.get_bos_token_id()
     start = len(tokenizer.encode(context, prepend=bos))
     row = tokenizer.encode(context + continuation, prepend=bos)

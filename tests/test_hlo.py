@@ -1,8 +1,8 @@
-"""jaxchat.hlo on XLA:GPU's own text: lines of the d20 train step compiled for 8 H100s
+"""jaxchat.compiled.hlo on XLA:GPU's own text: lines of the d20 train step compiled for 8 H100s
 (`python -m scripts.gpu_check --compile-only --devices 8 --json x.json`, x.x8.hlo.txt.gz), trimmed of
 their metadata and backend configs but for the fields read here. Bytes are counted by hand."""
 
-from jaxchat.hlo import custom_call_census, hlo_collectives
+from jaxchat.compiled.hlo import custom_call_census, hlo_collectives
 
 N = 8
 # ZeRO-1 on 8 H100s: the reduce-scatter of one Muon stack (80 float32 1280 x 1280 matrices) and of wte's

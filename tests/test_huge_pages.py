@@ -1,4 +1,4 @@
-"""jaxchat.huge_pages: which $GLIBC_TUNABLES a script re-executes with, and, where this machine's kernel and glibc
+"""jaxchat.distributed.huge_pages: which $GLIBC_TUNABLES a script re-executes with, and, where this machine's kernel and glibc
 allow it, that the re-executed process gets huge pages for the memory malloc maps and the process it replaced
 does not."""
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from jaxchat.huge_pages import FIRST_GLIBC, glibc_version, thp_mode, tunables_with_huge_pages
+from jaxchat.distributed.huge_pages import FIRST_GLIBC, glibc_version, thp_mode, tunables_with_huge_pages
 
 from conftest import REPO_ROOT
 
@@ -45,7 +45,7 @@ def test_thp_mode_is_the_bracketed_word(tmp_path):
 # page, and prints its PID, $GLIBC_TUNABLES and the anonymous huge pages the process holds (smaps_rollup).
 PROBE = """
 import ctypes, os, sys
-from jaxchat.huge_pages import reexec_with_huge_pages
+from jaxchat.distributed.huge_pages import reexec_with_huge_pages
 print("start", os.getpid(), flush=True)
 reexec_with_huge_pages()
 libc = ctypes.CDLL(None)

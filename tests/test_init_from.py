@@ -12,11 +12,11 @@ import shutil
 import jax.numpy as jnp
 import pytest
 
-from jaxchat.saved_model import load_model
-from jaxchat.dataloader import make_train_loader
-from jaxchat.interop import from_nanochat_state_dict, load_nanochat_state_dict
-from jaxchat.mesh import make_mesh
-from jaxchat.tokenizer import get_tokenizer
+from jaxchat.export.saved_model import load_model
+from jaxchat.data.loader import make_train_loader
+from jaxchat.export.nanochat import from_nanochat_state_dict, load_nanochat_state_dict
+from jaxchat.distributed.mesh import make_mesh
+from jaxchat.data.tokenizer import get_tokenizer
 from scripts import export
 from scripts import train as train_script
 
@@ -161,8 +161,8 @@ def test_nanochat_weights_with_another_or_no_tokenizer_are_refused(source, nanoc
                                                                   capsys, tokenizer):
     """nanochat's weights are checked against the tokenizer of their nanochat base dir: one that differs from this
     run's (same size, two merges swapped), or none there, gets one line."""
-    from jaxchat.interop import save_nanochat_tokenizer
-    from jaxchat.tokenizer import Tokenizer
+    from jaxchat.export.nanochat import save_nanochat_tokenizer
+    from jaxchat.data.tokenizer import Tokenizer
 
     nanochat_dir = tmp_path / "nanochat"
     shutil.copytree(os.path.dirname(os.path.dirname(os.path.dirname(nanochat_weights))), nanochat_dir)

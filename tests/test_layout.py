@@ -1,5 +1,5 @@
-"""The code's shape: jaxchat's modules import no circle (deferred imports inside functions count too),
-scripts are leaves (nothing imports one, none imports another), every module imports."""
+"""The code's shape: jaxchat's modules import no circle and only point down its layers (deferred imports
+inside functions count too), scripts are leaves (nothing imports one, none imports another), every module imports."""
 
 import ast
 import importlib
@@ -11,8 +11,24 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def modules(package: str) -> list[str]:
-    folder = os.path.join(REPO_ROOT, package)
-    return sorted(f"{package}.{name[:-3]}" for name in os.listdir(folder) if name.endswith(".py") and name != "__init__.py")
+    """Every module of package, its subpackages' included (not the __init__ files: docstrings only)."""
+    found = []
+    for folder, _, files in os.walk(os.path.join(REPO_ROOT, package)):
+        prefix = os.path.relpath(folder, REPO_ROOT).replace(os.sep, ".")
+        found += [f"{prefix}.{name[:-3]}" for name in files if name.endswith(".py") and name != "__init__.py"]
+    return sorted(found)
+
+
+# jaxchat's layers, lowest first (README's Layout): a module imports only from its own layer or those below, so
+# that the model and the optimizer know nothing of training, and checkpointing nothing of the model's maths
+# beyond its config. Top-level modules: common (everything's), and the two commands nanochat's users know,
+# `python -m jaxchat.dataset` (over data) and `python -m jaxchat.report` (a run's report: beside evaluation).
+LAYERS = ["common", "distributed", "model", "optim", "data", "dataset", "checkpoint", "eval", "report", "train",
+          "export", "compiled"]
+
+
+def layer(module: str) -> int:
+    return LAYERS.index(module.split(".")[1])
 
 
 def imported(module: str) -> set[str]:
@@ -60,6 +76,13 @@ def test_jaxchat_imports_no_circle():
     names = modules("jaxchat")
     graph = {m: {n for n in imported(m) if n in names and n != m} for m in names}
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_jaxchat_imports_only_point_down():
+    names = modules("jaxchat")
+    assert {m.split(".")[1] for m in names} == set(LAYERS), "a new package or top-level module: give it a layer"
+    upward = [(m, n) for m in names for n in imported(m) if n in names and layer(n) > layer(m)]
+    assert not upward, upward
 
 
 def test_scripts_are_leaves():

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxchat.loss import LOGIT_SOFTCAP, loss_sum_over, token_losses, token_scores
+from jaxchat.model.loss import LOGIT_SOFTCAP, loss_sum_over, token_losses, token_scores
 
 B, T, C, V = 2, 12, 16, 40
 

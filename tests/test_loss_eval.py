@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from compiled import forward, new_model
 
-from jaxchat import loss_eval
-from jaxchat.gpt import GPT, GPTConfig
-from jaxchat.loss_eval import evaluate_bpb
-from jaxchat.mesh import batch_sharding, make_mesh, put_batch
+from jaxchat.eval import bpb as loss_eval
+from jaxchat.model.gpt import GPT, GPTConfig
+from jaxchat.eval.bpb import evaluate_bpb
+from jaxchat.distributed.mesh import batch_sharding, make_mesh, put_batch
 
 CONFIG = GPTConfig(sequence_len=8, vocab_size=50, n_layer=2, n_head=2, n_kv_head=1, n_embd=16, window_pattern="SL")
 BOS, OTHER_SPECIAL = 48, 49  # special tokens come after the merges and stand for no text: 0 bytes

@@ -1,4 +1,4 @@
-"""A model tag is one directory name of safe characters: the rule (jaxchat.checkpoint_meta.check_model_tag), the
+"""A model tag is one directory name of safe characters: the rule (jaxchat.checkpoint.meta.check_model_tag), the
 place where a tag becomes a path (checkpoint_dir, load_model), and every script's --model-tag refusing a tag that
 would write outside base_checkpoints/ in one line, before any work (the parsers only: nothing is compiled)."""
 
@@ -7,10 +7,10 @@ import os
 
 import pytest
 
-from jaxchat import checkpoint as ckpt
-from jaxchat.checkpoint_meta import check_model_tag
-from jaxchat.saved_model import load_model
-from jaxchat.settings import RunSettings, SettingsError
+from jaxchat.checkpoint import manager as ckpt
+from jaxchat.checkpoint.meta import check_model_tag
+from jaxchat.export.saved_model import load_model
+from jaxchat.train.settings import RunSettings, SettingsError
 
 BAD_TAGS = ["../escaped", "/abs/path", "a/b", "..", ".", ".hidden", "-flag", "", "a b", "tag\n", "x" * 129]
 

@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxchat import mesh
-from jaxchat.checkpoint_meta import SaveFailedError
-from jaxchat.multihost import decided_by_process_0, gathered, runtime_failure
-from jaxchat.multihost import EXIT_PEER_FAILED
+from jaxchat.distributed import mesh
+from jaxchat.checkpoint.meta import SaveFailedError
+from jaxchat.distributed.multihost import decided_by_process_0, gathered, runtime_failure
+from jaxchat.distributed.multihost import EXIT_PEER_FAILED
 from test_trainer import start_worker
 
 

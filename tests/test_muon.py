@@ -25,7 +25,7 @@ from nanochat_numpy import (
     rel_err,
     torch_matrices,
 )
-from jaxchat.muon import muon, polar_express, polar_express_flops
+from jaxchat.optim.muon import muon, polar_express, polar_express_flops
 
 # jaxchat's bf16 error against float64 over nanochat's (emulated) one, at most: measured 0.26-0.45 for
 # one Polar Express, 0.33-0.72 for parameter changes and 0.16-0.59 for second moments after 1-4 Muon

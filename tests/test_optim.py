@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxchat.gpt import GPT, GPTConfig, abstract_model
-from jaxchat.optim import (
+from jaxchat.model.gpt import GPT, GPTConfig, abstract_model
+from jaxchat.optim.recipes import (
     describe_param_groups,
     group_learning_rates,
     ParamLayout,
@@ -32,7 +32,7 @@ def tiny_params(seed=0):
 
 
 def names(params):
-    """'blocks/0/attn/c_q/kernel' per leaf, in leaf order (independent of jaxchat.optim's path helper)."""
+    """'blocks/0/attn/c_q/kernel' per leaf, in leaf order (independent of jaxchat.optim.recipes's path helper)."""
     out = []
     for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
         keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
@@ -267,7 +267,7 @@ def test_tiny_model_memorises_a_fixed_batch():
 def test_polar_express_follows_each_recipes_rule():
     """bdcc030 multiplies in bf16 whatever the compute dtype (nanochat/muon.py there); 92d63d4 in the compute
     dtype (nanochat/optim.py there): float32 in a float32 run. Seen in the Muon transform each builds."""
-    from jaxchat import optim
+    from jaxchat.optim import recipes as optim
 
     params = nnx.state(abstract_model(TINY), nnx.Param)
     seen = []

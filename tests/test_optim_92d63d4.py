@@ -18,8 +18,8 @@ import optax
 import pytest
 
 from nanochat_numpy import POLAR_EXPRESS_COEFFS, bf16_round, exact, ref_lr_multiplier, rel_err, torch_matrices
-from jaxchat.muon import muon
-from jaxchat.optim import (
+from jaxchat.optim.muon import muon
+from jaxchat.optim.recipes import (
     Horizon,
     auto_total_batch_size,
     lr_multiplier,
@@ -28,7 +28,7 @@ from jaxchat.optim import (
     setup_optimizer,
     weight_decay_cosine,
 )
-from jaxchat.settings import RunSettings, SettingsError, parse_settings
+from jaxchat.train.settings import RunSettings, SettingsError, parse_settings
 
 MUON_OPTIONS = dict(beta2=0.9, norm_safety=1.01, row_equilibration=True, renormalize=True)
 F32_EPS = 2.0**-23
@@ -279,7 +279,7 @@ def test_schedules_equal_the_formulas_at_every_step_of_a_d20_horizon():
 @pytest.mark.parametrize("depth", [4, 12, 20, 26])
 def test_the_scaling_count_written_here_is_jaxchats_92d63d4_gpts(depth):
     """ref_scaling_params (used by the rules below) against the count of the GPT jaxchat builds."""
-    from jaxchat.gpt import GPTConfig, abstract_model
+    from jaxchat.model.gpt import GPTConfig, abstract_model
 
     config = GPTConfig.from_depth(depth, 32768, recipe="92d63d4")
     assert abstract_model(config).num_scaling_params() == ref_scaling_params(depth)
@@ -296,7 +296,7 @@ def test_batch_size_and_weight_decay_rules_over_depths(depth):
 
 def test_run_resolves_batch_horizon_and_decay_by_the_recipes_rules():
     """build_run at d4 against the formulas, with the counts of the model jaxchat builds (its own d12's too)."""
-    from jaxchat.run import build_run
+    from jaxchat.train.run import build_run
 
     def make(depth, **kw):
         return build_run(RunSettings.for_recipe("92d63d4", depth=depth, max_seq_len=64, device_batch_size=1,

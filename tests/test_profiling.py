@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from jaxchat.profiling import ProfileStepsError, parse_profile_steps, trace_files
+from jaxchat.train.profiling import ProfileStepsError, parse_profile_steps, trace_files
 
 
 def test_a_window_is_a_python_slice_of_steps():

@@ -1,4 +1,4 @@
-"""The run lock (jaxchat.run_lock), at the unit level: it never writes through a link or into what is not its own
+"""The run lock (jaxchat.checkpoint.lock), at the unit level: it never writes through a link or into what is not its own
 plain file; a live holder in another process is refused by name; a holder that is provably gone (its pid gone on
 this host, an earlier start of this SLURM job, a heartbeat too old) is taken over with one line, even while its
 flock stays held (as NFS keeps a dead node's, simulated by a child process holding the flock whose recorded
@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from jaxchat import run_lock
-from jaxchat.run_lock import LOCK_FILE, RunLockedError, RunLockError, acquire_run_lock
+from jaxchat.checkpoint import lock as run_lock
+from jaxchat.checkpoint.lock import LOCK_FILE, RunLockedError, RunLockError, acquire_run_lock
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a process that holds the flock of argv[1], as a dead NFS client's stays held, and writes nothing into it
@@ -71,7 +71,7 @@ def test_the_file_is_made_with_the_users_umask(tmp_path):
 
 
 def test_a_live_holder_in_another_process_is_refused_by_name(tmp_path):
-    child = start_holder("import sys, time; from jaxchat.run_lock import acquire_run_lock; "
+    child = start_holder("import sys, time; from jaxchat.checkpoint.lock import acquire_run_lock; "
                          "lock = acquire_run_lock(sys.argv[1]); print('locked', flush=True); time.sleep(60)",
                          str(tmp_path))
     try:
@@ -155,7 +155,7 @@ def test_the_heartbeat_renews_the_record(tmp_path):
 
 
 def test_a_holder_whose_lock_was_taken_over_stops_at_its_next_heartbeat(tmp_path):
-    child = start_holder("import sys, time; from jaxchat.run_lock import acquire_run_lock; "
+    child = start_holder("import sys, time; from jaxchat.checkpoint.lock import acquire_run_lock; "
                          "lock = acquire_run_lock(sys.argv[1], heartbeat_s=0.1); print('locked', flush=True); "
                          "time.sleep(60)", str(tmp_path))
     try:
@@ -174,7 +174,7 @@ def test_a_lock_file_that_is_gone_is_no_takeover(tmp_path):
     """The run directory deleted or its filesystem unmounted under a live run (a test's tmpfs, a person's rm):
     no other run holds the lock, so the holder goes on (its next save meets the loss) instead of ending its
     process from the heartbeat thread, as a holder whose file another run replaced does."""
-    child = start_holder("import sys, time; from jaxchat.run_lock import acquire_run_lock; "
+    child = start_holder("import sys, time; from jaxchat.checkpoint.lock import acquire_run_lock; "
                          "lock = acquire_run_lock(sys.argv[1], heartbeat_s=0.05); print('locked', flush=True); "
                          "time.sleep(1); print('alive', flush=True)", str(tmp_path))
     try:

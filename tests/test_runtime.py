@@ -8,7 +8,7 @@ import sys
 import jax
 import pytest
 
-from jaxchat.runtime import (GPU_MEMORY_FRACTION, GPU_XLA_FLAGS, MEM_FRACTION_ENV, apply_gpu_defaults, gpu_compiler_options,
+from jaxchat.distributed.runtime import (GPU_MEMORY_FRACTION, GPU_XLA_FLAGS, MEM_FRACTION_ENV, apply_gpu_defaults, gpu_compiler_options,
                               gpu_defaults)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,7 +61,7 @@ def test_cpu_runs_are_left_alone():
 @pytest.mark.slow
 def test_gpu_run_gets_the_defaults_before_jax_starts():
     # a fresh process that never imports JAX, as scripts.train's first lines
-    code = ("import json; from jaxchat.runtime import apply_gpu_defaults; env = {'XLA_FLAGS': '--xla_dump_to=/tmp/x'}; "
+    code = ("import json; from jaxchat.distributed.runtime import apply_gpu_defaults; env = {'XLA_FLAGS': '--xla_dump_to=/tmp/x'}; "
             "print(json.dumps([apply_gpu_defaults('cuda', env), env]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": REPO})

@@ -8,11 +8,11 @@ import re
 
 import pytest
 
-from jaxchat import settings as settings_module
-from jaxchat.dataloader import make_train_loader
-from jaxchat.gpt import GPTConfig
-from jaxchat.optim import setup_optimizer
-from jaxchat.settings import (DEFAULT_RECIPE, FREE, MODEL, RESOLVED, SAME, Recipe, RunSettings, SettingsError,
+from jaxchat.train import settings as settings_module
+from jaxchat.data.loader import make_train_loader
+from jaxchat.model.gpt import GPTConfig
+from jaxchat.optim.recipes import setup_optimizer
+from jaxchat.train.settings import (DEFAULT_RECIPE, FREE, MODEL, RESOLVED, SAME, Recipe, RunSettings, SettingsError,
                               cli_fields, flag_name, parse_settings, resume_difference)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -101,7 +101,7 @@ def test_bad_settings_are_one_line_naming_the_flag(argv, message):
 
 
 def test_a_recipe_is_data_its_defaults_apply_and_flags_it_lacks_are_refused(monkeypatch):
-    """A second recipe as the next one will be added: one table entry (named after a GPT of jaxchat.gpt.RECIPES). Its defaults replace the field
+    """A second recipe as the next one will be added: one table entry (named after a GPT of jaxchat.model.gpt.RECIPES). Its defaults replace the field
     defaults, the flags given win over both, and a flag it does not have gets the line saying what replaced it."""
     later = Recipe(name="92d63d4", nanochat_commit="92d63d4", defaults={"weight_decay": 0.28, "warmdown_ratio": 0.65},
                    replaced={"adam_beta1": "its AdamW betas are fixed per group"})

@@ -1,4 +1,4 @@
-"""Splash attention (jaxchat/splash_attention.py), the TPU path, run here in Pallas' interpret mode: against a
+"""Splash attention (jaxchat/model/splash_attention.py), the TPU path, run here in Pallas' interpret mode: against a
 float64 NumPy attention with the same windows (forward and gradients, GQA, windows shorter and longer than a
 tile), a whole d2 train step against the XLA path's, and which kernel each platform picks."""
 
@@ -10,11 +10,11 @@ import pytest
 from flax import nnx
 from nanochat_numpy import randomized
 
-from jaxchat.attention import causal_attention, default_implementation
-from jaxchat.gpt import GPT, GPTConfig
-from jaxchat.mesh import batch_sharding, make_mesh, put_batch
-from jaxchat.run import RunSettings, build_run
-from jaxchat.splash_attention import SPLASH_BLOCK, block_len
+from jaxchat.model.attention import causal_attention, default_implementation
+from jaxchat.model.gpt import GPT, GPTConfig
+from jaxchat.distributed.mesh import batch_sharding, make_mesh, put_batch
+from jaxchat.train.run import RunSettings, build_run
+from jaxchat.model.splash_attention import SPLASH_BLOCK, block_len
 
 T, H, HKV, D = 1024, 4, 2, 32  # two tiles of 512; GQA, two query heads per key/value head
 

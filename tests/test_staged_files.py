@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from jaxchat import staged_files
-from jaxchat.staged_files import StagedFiles
+from jaxchat.checkpoint import staged_files
+from jaxchat.checkpoint.staged_files import StagedFiles
 
 
 def write(path, text: str) -> None:

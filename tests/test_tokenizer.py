@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import regex
 
-from jaxchat.tokenizer import (CONFIG_FILE, RANKS_FILE, SPECIAL_TOKENS, SPLIT_PATTERN, TOKEN_BYTES_FILE,
+from jaxchat.data.tokenizer import (CONFIG_FILE, RANKS_FILE, SPECIAL_TOKENS, SPLIT_PATTERN, TOKEN_BYTES_FILE,
                                Tokenizer, TokenizerError, get_token_bytes, get_tokenizer)
 
 VOCAB_SIZE = 512

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from jaxchat.checkpoint_meta import CheckpointMismatchError
-from jaxchat.settings import RunSettings
-from jaxchat.train_loop import TIMING_WARMUP_STEPS, LoopPolicy, LoopState, timed_steps
+from jaxchat.checkpoint.meta import CheckpointMismatchError
+from jaxchat.train.settings import RunSettings
+from jaxchat.train.loop import TIMING_WARMUP_STEPS, LoopPolicy, LoopState, timed_steps
 
 
 def nanochat_due(kind: str, step: int, last_step: bool, every: int, resume_step: int | None) -> bool:

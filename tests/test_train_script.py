@@ -25,10 +25,10 @@ from conftest import TRAIN_STEP_LINE, VAL_BPB_LINE, host_xla_flags
 from etils import epath
 
 from jaxchat import report
-from jaxchat.checkpoint import RunCheckpoints
-from jaxchat.tokenizer import Tokenizer
-from jaxchat.multihost import EXIT_PEER_LOST
-from jaxchat.train_loop import EXIT_STOPPED
+from jaxchat.checkpoint.manager import RunCheckpoints
+from jaxchat.data.tokenizer import Tokenizer
+from jaxchat.distributed.multihost import EXIT_PEER_LOST
+from jaxchat.train.loop import EXIT_STOPPED
 from scripts import train as train_script
 
 SMALL = ["--depth=2", "--max-seq-len=128", "--device-batch-size=4", "--total-batch-size=512", "--num-devices=1"]
@@ -64,11 +64,11 @@ def test_bad_input_stops_with_a_message(tmp_path, monkeypatch, capsys, flags, me
 def test_the_platform_is_chosen_before_anything_starts_a_backend(monkeypatch, capsys):
     """--device-type=cpu sets jax_platforms, which counts only before a backend starts: the multi-process watcher
     (whose process count starts one) comes after it. (On this CPU-only machine the order is what can be seen.)"""
-    import jaxchat.multihost
+    import jaxchat.distributed.multihost
     from jaxchat.common import PlatformError
 
     calls = []
-    monkeypatch.setattr(jaxchat.multihost, "watch_peers", lambda: calls.append("watch_peers"))
+    monkeypatch.setattr(jaxchat.distributed.multihost, "watch_peers", lambda: calls.append("watch_peers"))
 
     def select_platform(device_type):
         calls.append("select_platform")
@@ -124,7 +124,7 @@ def test_profile_steps_trace_those_steps_and_say_where(tmp_path, monkeypatch, ca
     import gzip
     import json
 
-    from jaxchat.profiling import trace_files
+    from jaxchat.train.profiling import trace_files
 
     monkeypatch.setenv("JAXCHAT_BASE_DIR", str(make_base_dir(tmp_path)))
     train_script.main([*SMALL, "--device-type=cpu", "--num-iterations=4", "--eval-every=-1", "--core-metric-every=-1",
@@ -154,7 +154,9 @@ def test_an_error_after_a_save_started_still_completes_that_save(tmp_path, monke
     real model's is.)"""
     from orbax.checkpoint._src.checkpointers import async_checkpointer
 
-    from jaxchat import engine, mesh
+    from jaxchat.model import engine
+
+    from jaxchat.distributed import mesh
 
     monkeypatch.setenv("JAXCHAT_BASE_DIR", str(make_base_dir(tmp_path)))
     rename = async_checkpointer._on_commit_callback

@@ -15,10 +15,10 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxchat.gpt import GPTConfig
-from jaxchat.mesh import DATA_AXIS, SHARDED, batch_sharding, logical_to_spec, make_mesh, put_batch
-from jaxchat.optim import Optimizer, ParamLayout, setup_optimizer
-from jaxchat.trainer import abstract_model, abstract_train_state, init_train_state, make_train_step
+from jaxchat.model.gpt import GPTConfig
+from jaxchat.distributed.mesh import DATA_AXIS, SHARDED, batch_sharding, logical_to_spec, make_mesh, put_batch
+from jaxchat.optim.recipes import Optimizer, ParamLayout, setup_optimizer
+from jaxchat.train.trainer import abstract_model, abstract_train_state, init_train_state, make_train_step
 from conftest import host_xla_flags
 from multiprocess_worker import train_losses
 

@@ -1,0 +1,1 @@
+"""Runs on disk: the Orbax checkpoint manager, a run's directory and its lock, step metadata, damage, staged files."""

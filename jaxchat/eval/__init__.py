@@ -1,0 +1,1 @@
+"""Evaluation: bits per byte on the validation split, the CORE benchmark."""

@@ -1,0 +1,1 @@
+"""Muon and the optimizer recipes: parameter groups, learning rates and schedules, chained in optax.partition."""
