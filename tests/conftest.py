@@ -40,6 +40,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 import re  # noqa: E402
 
 import pytest  # noqa: E402
+from gcs_server import gcs, gcs_server  # noqa: E402,F401  (the gs:// fixtures: fake-gcs-server)
 
 # scripts.train's printed lines, as the end-to-end tests read them: a step's loss, and an evaluation's bpb
 TRAIN_STEP_LINE = re.compile(r"^step (\d+)/\d+ .*?\| loss: ([\d.]+) \|", re.M)
