@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxchat import storage
+
 BASE_DIR_ENV = "JAXCHAT_BASE_DIR"
 DEFAULT_BASE_DIR = os.path.join("~", ".cache", "jaxchat")
 # runs/cpu_demo.sh's default (it reads it from here): apart from the default, so that the demo's
@@ -70,10 +72,25 @@ def select_platform(device_type: str) -> None:
 
 
 def get_base_dir() -> str:
-    """Where tokenizer, data, checkpoints and reports live: $JAXCHAT_BASE_DIR or ~/.cache/jaxchat."""
+    """Where tokenizer, data, checkpoints and reports live: $JAXCHAT_BASE_DIR (a local path or gs://bucket/prefix)
+    or ~/.cache/jaxchat."""
     base_dir = os.environ.get(BASE_DIR_ENV) or os.path.expanduser(DEFAULT_BASE_DIR)
+    if storage.is_url(base_dir):  # a bucket: nothing to make; the scheme checked
+        return storage.check_supported(base_dir.rstrip("/"))
     os.makedirs(base_dir, exist_ok=True)
     return base_dir
+
+
+def local_dir() -> str:
+    """Where the files that this host alone writes and reads go (the CORE eval bundle, profiles, gpu_check's
+    report): the base dir, or ~/.cache/jaxchat when the base dir is a bucket (those are read by local tools:
+    zip, TensorBoard, the JAX profiler)."""
+    base_dir = get_base_dir()
+    if not storage.is_url(base_dir):
+        return base_dir
+    local = os.path.expanduser(DEFAULT_BASE_DIR)
+    os.makedirs(local, exist_ok=True)
+    return local
 
 
 def base_dir_hint(missing_path: str) -> str:
@@ -81,12 +98,14 @@ def base_dir_hint(missing_path: str) -> str:
     the base directory, which base directory was looked in and how to choose another, and which other known
     base directory (the default, the CPU demo's) holds the same thing. Empty for a path given explicitly
     outside the base directory (the user chose it; no other place is implied)."""
-    base_dir = os.path.abspath(get_base_dir())
+    base_dir = storage.absolute(get_base_dir())
+    source = f"from ${BASE_DIR_ENV}" if os.environ.get(BASE_DIR_ENV) else f"the default; ${BASE_DIR_ENV} sets another"
+    hint = f" (looked in the base directory {base_dir}: {source})"
+    if storage.is_url(base_dir) or storage.is_url(missing_path):  # no other bucket to suggest
+        return hint if str(missing_path).startswith(base_dir + "/") else ""
     relative = os.path.relpath(os.path.abspath(missing_path), base_dir)
     if relative == os.pardir or relative.startswith(os.pardir + os.sep):
         return ""
-    source = f"from ${BASE_DIR_ENV}" if os.environ.get(BASE_DIR_ENV) else f"the default; ${BASE_DIR_ENV} sets another"
-    hint = f" (looked in the base directory {base_dir}: {source})"
     for other in (os.path.abspath(os.path.expanduser(d)) for d in (DEFAULT_BASE_DIR, DEMO_BASE_DIR)):
         candidate = os.path.join(other, relative)
         if other != base_dir and os.path.exists(candidate) and not (os.path.isdir(candidate)

@@ -14,6 +14,7 @@ import argparse
 import csv
 import datetime
 import importlib.metadata
+import io
 import json
 import os
 import platform
@@ -23,6 +24,7 @@ import subprocess
 from collections.abc import Iterable
 from typing import Any
 
+from jaxchat import storage
 from jaxchat.common import get_base_dir
 
 REPORT_SUBDIR = "report"  # under a base dir, as nanochat's
@@ -190,10 +192,14 @@ class Report:
 
     def __init__(self, report_dir: str, model_tag: str | None = None):
         self.report_dir, self.model_tag = report_dir, model_tag
-        os.makedirs(report_dir, exist_ok=True)
+        storage.makedirs(report_dir)
 
     def path(self, name: str) -> str:
-        return os.path.join(self.report_dir, name)
+        return storage.join(self.report_dir, name)
+
+    def _names(self) -> list[str]:
+        """The report folder's files ([] before the first: in a bucket a folder exists once a file is in it)."""
+        return storage.listdir(self.report_dir) if storage.isdir(self.report_dir) else []
 
     def log(self, section: str, data: list[dict | str]) -> str:
         """Write one section: a list of dicts (rendered as `- key: value` lines) and markdown strings, as
@@ -205,8 +211,7 @@ class Report:
         record = {"section": section, "timestamp": timestamp, "data": data}
         if self.model_tag is not None:
             record["model_tag"] = self.model_tag
-        with open(self.path(f"{slugify(section)}.json"), "w", encoding="utf-8") as f:
-            json.dump(record, f, indent=1, default=str)
+        storage.write_text(self.path(f"{slugify(section)}.json"), json.dumps(record, indent=1, default=str))
         lines = [f"## {section}", f"timestamp: {timestamp}", ""]
         for item in data:
             if isinstance(item, dict):
@@ -216,8 +221,7 @@ class Report:
                 lines.append(str(item))
             lines.append("")
         path = self.path(f"{slugify(section)}.md")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write("\n".join(lines))
+        storage.write_text(path, "\n".join(lines))
         return path
 
     # -- the training curve --------------------------------------------------------
@@ -233,29 +237,28 @@ class Report:
         if not rows:
             return
         path = self._run_curve()
-        new_file = not os.path.exists(path)
-        with open(path, "a", newline="", encoding="utf-8") as f:
-            writer = csv.writer(f)
-            if new_file:
-                writer.writerow(CURVE_FIELDS)
-            writer.writerows([step, "" if loss is None else f"{loss:.6f}", "" if bpb is None else f"{bpb:.6f}"]
-                             for step, loss, bpb in rows)
+        text = io.StringIO()
+        writer = csv.writer(text)
+        if not storage.exists(path):
+            writer.writerow(CURVE_FIELDS)
+        writer.writerows([step, "" if loss is None else f"{loss:.6f}", "" if bpb is None else f"{bpb:.6f}"]
+                         for step, loss, bpb in rows)
+        storage.append_text(path, text.getvalue())
 
     def clear_curve(self) -> None:
         """A fresh training run starts a new curve (of its model tag: other runs' curves stay)."""
         for path in (self._run_curve(), self.path(curve_file(self.model_tag, "png"))):
-            if os.path.exists(path):
-                os.remove(path)
+            if storage.exists(path):
+                storage.remove(path)
 
     def read_curve(self, model_tag: str) -> tuple[dict[int, float], dict[int, float]]:
         """Train loss and val bpb by step of a run's curve. A resumed run rewrites the steps after its
         checkpoint, and the newest row of a step wins."""
         train, val = {}, {}
         path = self.path(curve_file(model_tag))
-        if not os.path.exists(path):
+        if not storage.exists(path):
             return train, val
-        with open(path, newline="", encoding="utf-8") as f:
-            for row in csv.DictReader(f):
+        for row in csv.DictReader(io.StringIO(storage.read_text(path), newline="")):
                 step = int(row["step"])
                 if row["train_loss"]:
                     train[step] = float(row["train_loss"])
@@ -282,27 +285,27 @@ class Report:
         for ax in (ax_loss, ax_bpb):
             ax.grid(alpha=0.3)
         fig.tight_layout()
-        path = self.path(curve_file(model_tag, "png"))
-        fig.savefig(path, dpi=110)
+        path, image = self.path(curve_file(model_tag, "png")), io.BytesIO()
+        fig.savefig(image, format="png", dpi=110)
         plt.close(fig)
+        storage.write_bytes(path, image.getvalue())
         return path
 
     # -- assembling ----------------------------------------------------------------
 
     def sections(self) -> list[str]:
         """The stage sections, in run order: known stages first, then any others oldest first."""
-        names = [n for n in os.listdir(self.report_dir) if n.endswith(".md") and n != REPORT_FILE]
+        names = [n for n in self._names() if n.endswith(".md") and n != REPORT_FILE]
         order = {f"{slug}.md": i for i, slug in enumerate(STAGE_ORDER)}
-        names.sort(key=lambda n: (order.get(n, len(order)), os.path.getmtime(self.path(n))))
+        names.sort(key=lambda n: (order.get(n, len(order)), storage.getmtime(self.path(n))))
         return [self.path(n) for n in names]
 
     def records(self) -> dict[str, dict]:
         """Each section's record as log wrote it ({section, timestamp, data}), by slug."""
         records = {}
-        for name in os.listdir(self.report_dir):
+        for name in self._names():
             if name.endswith(".json"):
-                with open(self.path(name), encoding="utf-8") as f:
-                    records[name[:-len(".json")]] = json.load(f)
+                records[name[:-len(".json")]] = json.loads(storage.read_text(self.path(name)))
         return records
 
     def summary(self) -> list[tuple[str, str]]:
@@ -333,28 +336,25 @@ class Report:
         if trained is not None and self.plot_curve(trained):  # the curve of the run whose section this is
             parts += ["", f"![training loss and validation bpb of {trained}]({curve_file(trained, 'png')})"]
         parts.append("")
-        if not os.path.exists(self.path(f"{slugify(Section.SYSTEM)}.md")):
+        if not storage.exists(self.path(f"{slugify(Section.SYSTEM)}.md")):
             parts += ["## System", "(no `python -m jaxchat.report reset` before this run: taken now)", "",
                       *(f"- {key}: {value}" for key, value in system_info().items()), ""]
-        for path in self.sections():
-            with open(path, encoding="utf-8") as f:
-                parts.append(f.read())
-        with open(self.path(REPORT_FILE), "w", encoding="utf-8") as f:
-            f.write("\n".join(parts))
+        parts += [storage.read_text(path) for path in self.sections()]
+        storage.write_text(self.path(REPORT_FILE), "\n".join(parts))
         return self.path(REPORT_FILE)
 
     def reset(self) -> None:
         """Start a new report: remove every section, every run's curve and report.md, and log the system
         section (its timestamp starts the wall clock)."""
-        for name in os.listdir(self.report_dir):
+        for name in self._names():
             if name.endswith((".md", ".json")) or (name.startswith(CURVE_PREFIX) and name.endswith((".csv", ".png"))):
-                os.remove(self.path(name))
+                storage.remove(self.path(name))
         self.log(Section.SYSTEM, [system_info()])
 
 
 def get_report(base_dir: str | None = None, model_tag: str | None = None) -> Report:
     """<base_dir>/report, as the run `model_tag` writes it (None: any other stage)."""
-    return Report(os.path.join(base_dir or get_base_dir(), REPORT_SUBDIR), model_tag)
+    return Report(storage.join(base_dir or get_base_dir(), REPORT_SUBDIR), model_tag)
 
 
 def main(argv: list[str] | None = None) -> None:

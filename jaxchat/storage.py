@@ -54,7 +54,13 @@ def _gcs():
         import gcsfs
     except ImportError:
         raise StorageError("gs:// paths need gcsfs: pip install -e '.[gcs]'") from None
-    return gcsfs.GCSFileSystem(use_listings_cache=False, skip_instance_cache=True)
+    # Google's default credentials, or an error: gcsfs's own default falls back to anonymous access without a
+    # word, which a private bucket answers with 401s later. An emulator (the tests') takes none.
+    token = None if os.environ.get("STORAGE_EMULATOR_HOST") else "google_default"
+    try:
+        return gcsfs.GCSFileSystem(token=token, use_listings_cache=False, skip_instance_cache=True)
+    except Exception as e:
+        raise (_credentials_error(e) or e) from None
 
 
 def _credentials_error(error: BaseException) -> StorageError | None:
@@ -150,6 +156,17 @@ def write_bytes(path: str, data: bytes) -> None:
 
 def write_text(path: str, text: str) -> None:
     write_bytes(path, text.encode("utf-8"))
+
+
+def append_text(path: str, text: str) -> None:
+    """Adds text at the end of a file (made if missing). A bucket's objects cannot grow: the object is read and
+    written again whole (for small files written now and then, as a run's curve at its evaluations)."""
+    if is_url(path):
+        old = read_bytes(path) if exists(path) else b""
+        write_bytes(path, old + text.encode("utf-8"))
+        return
+    with open(path, "a", encoding="utf-8", newline="") as f:
+        f.write(text)
 
 
 def move(source: str, target: str) -> None:

@@ -11,20 +11,22 @@ script (the batches span all devices).
 
 import argparse
 import csv
-import os
+import io
 
+from jaxchat import storage
 from jaxchat.common import fail
 from jaxchat.export.saved_model import LOAD_ERRORS, add_checkpoint_args, load_saved_model
 
 
 def write_results_csv(path: str, results: dict, centered_results: dict, core_metric: float) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w", encoding="utf-8", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["Task", "Accuracy", "Centered"])
-        for label, accuracy in results.items():
-            writer.writerow([label, f"{accuracy:.6f}", f"{centered_results[label]:.6f}"])
-        writer.writerow(["CORE", "", f"{core_metric:.6f}"])
+    storage.makedirs(storage.dirname(path))
+    text = io.StringIO()
+    writer = csv.writer(text)
+    writer.writerow(["Task", "Accuracy", "Centered"])
+    for label, accuracy in results.items():
+        writer.writerow([label, f"{accuracy:.6f}", f"{centered_results[label]:.6f}"])
+    writer.writerow(["CORE", "", f"{core_metric:.6f}"])
+    storage.write_text(path, text.getvalue())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
         print0(f"{label:<35} {accuracy:>10.4f} {centered[label]:>10.4f}")
     print0(f"CORE metric: {core_metric:.4f}")
     if is_master():
-        path = os.path.join(get_base_dir(), "base_eval", f"{model_tag}_{meta['step']:06d}.csv")
+        path = storage.join(get_base_dir(), "base_eval", f"{model_tag}_{meta['step']:06d}.csv")
         write_results_csv(path, results, centered, core_metric)
         print0(f"Results written to {path}")
         get_report().log(section=Section.BASE_EVALUATION, data=[

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxchat.common import fail, format_table, get_base_dir, quiet_jax_warnings, tree_nbytes
+from jaxchat.common import fail, format_table, local_dir, quiet_jax_warnings, tree_nbytes
 from jaxchat.model.engine import Engine
 from jaxchat.model.gpt import GPT, REMAT_POLICIES, GPTConfig
 from jaxchat.compiled.hlo import SLICED_ALL_REDUCE
@@ -76,7 +76,7 @@ def profile_steps_flag(text: str) -> tuple[int, int]:
 
 
 def default_profile_dir() -> str:
-    return os.path.join(get_base_dir(), "profiles", "bench")
+    return os.path.join(local_dir(), "profiles", "bench")
 
 
 def print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:

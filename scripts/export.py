@@ -225,6 +225,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--private is for --push-to-hub")
     if args.overwrite and args.import_file:
         parser.error("--overwrite is for the exports: --import never replaces a checkpoint")
+    for flag, path in (("--to-nanochat", args.to_nanochat), ("--to-hf", args.to_hf), ("--output", args.output),
+                       ("--import", args.import_file)):
+        if path and "://" in path:  # (the base dir may be a bucket: the model is read from there)
+            parser.error(f"{flag} {path}: exports and imports use a local path (a bucket's objects cannot be staged "
+                         "and renamed together); export locally, then copy it, e.g. `gcloud storage cp -r DIR gs://...`")
 
     quiet_jax_warnings()
     try:

@@ -465,10 +465,10 @@ def run_compile_only(args) -> int:
 def default_report_path(args) -> str:
     """<base_dir>/gpu_check/<mode and target>.json: not the current directory (a checkout's root), and a TPU
     target's compile never overwrites an H100 one's (the HLO files are named after the report)."""
-    from jaxchat.common import get_base_dir
+    from jaxchat.common import local_dir
 
     name = f"compile_only_{args.target.replace(':', '-')}" if args.compile_only else "gpu_check"
-    return os.path.join(get_base_dir(), "gpu_check", f"{name}.json")
+    return os.path.join(local_dir(), "gpu_check", f"{name}.json")
 
 
 def main(argv: list[str] | None = None) -> None:

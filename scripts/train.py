@@ -351,12 +351,13 @@ def run_loop(s: Session) -> bool:
 
 
 def make_profiler(s: Session) -> StepProfiler:
-    """--profile-steps' tracer, into <base_dir>/profiles/<model tag>; a window this run never reaches is said."""
-    from jaxchat.common import get_base_dir, print0
+    """--profile-steps' tracer, into <base_dir>/profiles/<model tag> (jaxchat.common.local_dir: a local folder
+    where the base dir is a bucket); a window this run never reaches is said."""
+    from jaxchat.common import local_dir, print0
     from jaxchat.train.profiling import StepProfiler
 
     window = s.settings.profile_window
-    trace_dir = os.path.join(get_base_dir(), "profiles", os.path.basename(s.checkpointer.directory))
+    trace_dir = os.path.join(local_dir(), "profiles", os.path.basename(s.checkpointer.directory))
     if window and not s.loop.step <= window[0] < s.run.num_iterations:
         print0(f"--profile-steps {s.settings.profile_steps}: this run trains steps {s.loop.step}.."
                f"{s.run.num_iterations - 1}, so nothing is traced")

@@ -21,10 +21,10 @@ def modules(package: str) -> list[str]:
 
 # jaxchat's layers, lowest first (README's Layout): a module imports only from its own layer or those below, so
 # that the model and the optimizer know nothing of training, and checkpointing nothing of the model's maths
-# beyond its config. Top-level modules: common (everything's), storage (every file of the base dir, local or
-# gs://), and the two commands nanochat's users know, `python -m jaxchat.dataset` (over data) and
+# beyond its config. Top-level modules: storage (every file of the base dir, local or gs://; imports nothing of
+# jaxchat), common (everything's), and the two commands nanochat's users know, `python -m jaxchat.dataset` (over data) and
 # `python -m jaxchat.report` (a run's report: beside evaluation).
-LAYERS = ["common", "storage", "distributed", "model", "optim", "data", "dataset", "checkpoint", "eval", "report", "train",
+LAYERS = ["storage", "common", "distributed", "model", "optim", "data", "dataset", "checkpoint", "eval", "report", "train",
           "export", "compiled"]
 
 

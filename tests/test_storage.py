@@ -47,3 +47,21 @@ def test_what_jaxchat_cannot_write_to_is_refused_in_one_line(path):
     with pytest.raises(storage.StorageError) as e:
         storage.check_supported(path)
     assert "\n" not in str(e.value)
+
+
+def test_a_bucket_without_credentials_is_one_line(monkeypatch):
+    """Outside an emulator, Google's default credentials or a StorageError (gcsfs alone would fall back to anonymous
+    access). The metadata server is pointed at a closed port: nothing here reaches Google."""
+    for key in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("CLOUDSDK_CONFIG", "/nonexistent-gcloud-config")
+    monkeypatch.setenv("NO_GCE_CHECK", "true")
+    for key in ("GCE_METADATA_HOST", "GCE_METADATA_IP", "GCE_METADATA_ROOT"):
+        monkeypatch.setenv(key, "127.0.0.1:9")
+    storage._gcs.cache_clear()
+    try:
+        with pytest.raises(storage.StorageError, match="no Google Cloud credentials") as e:
+            storage.exists("gs://a-bucket/run")
+        assert "\n" not in str(e.value)
+    finally:
+        storage._gcs.cache_clear()

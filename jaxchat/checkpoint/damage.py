@@ -26,6 +26,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxchat.checkpoint.meta import StepUnreadableError, step_meta_file
+from jaxchat import storage
 from jaxchat.common import error_chain, error_reason
 
 # The status codes that say the step's bytes are not what its own index promised
@@ -55,8 +56,11 @@ def reading_step_files(path: str):
 def _names_a_file_in(error: BaseException, step_dir: str) -> bool:
     """Whether error is about a file inside step_dir: by its filename (Python's OSErrors, StepFileError) or its
     message (Orbax's FileNotFoundError and TensorStore's errors name the path in their text)."""
-    inside = os.path.join(os.path.abspath(step_dir), "")
+    inside = storage.join(storage.absolute(step_dir), "")
     filename = getattr(error, "filename", None)
+    if storage.is_url(inside):  # gcsfs names an object 'bucket/name', tensorstore 'gs://bucket/name'
+        bare = inside.split("://", 1)[1]
+        return (filename is not None and str(filename).split("://", 1)[-1].startswith(bare)) or bare in str(error)
     return (filename is not None and os.path.join(os.path.abspath(str(filename)), "").startswith(inside)) or \
         inside in str(error)
 
@@ -79,13 +83,13 @@ def is_damage(error: BaseException, step_dir: str) -> bool:
 def read_step_meta(directory: str, step: int) -> dict:
     """The metadata of a step: the JSON file Orbax's JsonCheckpointHandler writes."""
     path = step_meta_file(directory, step)
-    with open(path, encoding="utf-8") as f, reading_step_files(path):
+    with storage.open_file(path, encoding="utf-8") as f, reading_step_files(path):
         return json.load(f)
 
 
 def saved_structure(directory: str, step: int, item: str):
     """The saved tree of an array item (shapes, dtypes), from its metadata file."""
-    path = os.path.join(directory, str(step), item)
+    path = storage.join(directory, str(step), item)
     with reading_step_files(path):
         return ocp.PyTreeCheckpointHandler().metadata(epath.Path(path)).tree
 
@@ -101,8 +105,8 @@ def unreadable(directory: str, step: int, what: str, reason: str) -> StepUnreada
 def step_problem(directory: str, step: int) -> str | None:
     """Why `step` is damaged (an item or metadata missing or unreadable), or None if it looks complete (its
     arrays are read by the restore). StepUnreadableError if reading failed for a reason that is not the step's."""
-    step_dir = os.path.join(directory, str(step))
-    if not os.path.isdir(os.path.join(step_dir, "meta")):
+    step_dir = storage.join(directory, str(step))
+    if not storage.isdir(storage.join(step_dir, "meta")):
         return "its metadata is missing"
     try:
         meta = read_step_meta(directory, step)
@@ -113,7 +117,7 @@ def step_problem(directory: str, step: int) -> str | None:
     if not isinstance(meta, dict) or meta.get("step") != step or "model_config" not in meta or "items" not in meta:
         return "its metadata is not a jaxchat checkpoint's"
     for item in meta["items"]:
-        if not os.path.isdir(os.path.join(step_dir, item)):
+        if not storage.isdir(storage.join(step_dir, item)):
             return f"its {item} is missing"
         if item in ("params", "opt_state"):
             try:

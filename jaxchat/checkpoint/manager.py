@@ -52,9 +52,11 @@ from jaxchat.checkpoint.meta import (CHECKPOINTS_SUBDIR, LATEST, TRAINING_META_K
                                      CheckpointMismatchError, IncompleteCheckpointError, NoCheckpointError,
                                      SaveFailedError, StepUnreadableError, check_compatible, check_model_tag,
                                      default_model_tag)
+from jaxchat import storage
 from jaxchat.common import error_reason, get_base_dir, key_name, print0
 from jaxchat.model.gpt import GPTConfig
 from jaxchat.distributed.multihost import decided_by_process_0, gathered
+from jaxchat.checkpoint.gcs_lock import acquire_gcs_run_lock
 from jaxchat.checkpoint.lock import RunLockError, acquire_run_lock
 from jaxchat.data.shards import DataError
 from jaxchat.checkpoint.staged_files import check_writable_dir
@@ -70,12 +72,22 @@ def checkpoint_dir(model_tag: str | None, depth: int | None = None, base_dir: st
     name (check_model_tag) raises ValueError: no caller writes outside base_checkpoints/ (a training run's, an
     import's, a loaded model's)."""
     tag = default_model_tag(depth) if model_tag is None else check_model_tag(model_tag)
-    return os.path.join(base_dir or get_base_dir(), CHECKPOINTS_SUBDIR, tag)
+    return storage.join(base_dir or get_base_dir(), CHECKPOINTS_SUBDIR, tag)
 
 
 def check_writable(directory: str, bytes_needed: int = 0) -> None:
     """Fails now, with what to do, if checkpoints could not be written to `directory` later. Makes nothing:
-    the run directory is made by the run that takes it (RunCheckpoints)."""
+    the run directory is made by the run that takes it (RunCheckpoints). In a bucket: an object written and
+    deleted under the directory (permissions and credentials; a bucket has no 'free space')."""
+    if storage.is_url(directory):
+        probe = storage.join(directory, ".write_test")
+        try:
+            storage.write_bytes(probe, b"")
+            storage.remove(probe)
+        except Exception as e:  # noqa: BLE001 -- gcsfs's HttpError (403, 404), StorageError (no credentials)
+            raise CheckpointError(f"Cannot write checkpoints to {directory} ({error_reason(e)}): check the bucket's "
+                                  "name and that these credentials may create and delete objects in it") from e
+        return
     try:
         check_writable_dir(directory)
     except OSError as e:
@@ -176,8 +188,8 @@ class RunCheckpoints:
                  read_only: bool = False, lock: bool = True):
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be at least 1 (or None to keep every step), got {max_to_keep}")
-        self.directory = os.path.abspath(directory)
-        if read_only and not os.path.isdir(self.directory):
+        self.directory = storage.absolute(directory)
+        if read_only and not storage.isdir(self.directory):
             raise rundir._no_checkpoints(self.directory)
         self._lock = None
         self._read_only = read_only
@@ -209,16 +221,17 @@ class RunCheckpoints:
         that all stop together with the same line. Returns whether the directory was made here."""
 
         def take() -> bool:
-            existed = os.path.isdir(self.directory)
+            existed = storage.isdir(self.directory)
             if lock:
                 try:
-                    self._lock = acquire_run_lock(self.directory)
+                    acquire = acquire_gcs_run_lock if storage.is_url(self.directory) else acquire_run_lock
+                    self._lock = acquire(self.directory)
                 except RunLockError as e:
                     if not existed:  # made for the lock that could not be taken
                         rundir.remove_if_unused(self.directory)
                     raise CheckpointError(str(e)) from None
             else:
-                os.makedirs(self.directory, exist_ok=True)
+                storage.makedirs(self.directory)
             return not existed
 
         return decided_by_process_0("run directory", take, SHARED_ERRORS)
@@ -244,12 +257,12 @@ class RunCheckpoints:
         self._manager.reload()
         if moved["complete"]:
             print0(f"--overwrite: checkpoint step(s) {moved['complete']} are moved to "
-                   f"{os.path.join(self.directory, rundir.REPLACED_SUBDIR)}, and deleted once this run's first "
+                   f"{storage.join(self.directory, rundir.REPLACED_SUBDIR)}, and deleted once this run's first "
                    "checkpoint is complete")
             self._replaced = True
         if moved["damaged"]:
             print0(f"Moved damaged checkpoint step(s) {moved['damaged']} to "
-                   f"{os.path.join(self.directory, rundir.DAMAGED_SUBDIR)} (kept, not deleted)")
+                   f"{storage.join(self.directory, rundir.DAMAGED_SUBDIR)} (kept, not deleted)")
 
     # -- saving --
 
@@ -294,7 +307,7 @@ class RunCheckpoints:
         self._wait()
         if decided_by_process_0("delete replaced", lambda: rundir.delete_set_aside_once_complete(self.directory, step),
                                 SHARED_ERRORS):
-            print0(f"Deleted the replaced checkpoints in {os.path.join(self.directory, rundir.REPLACED_SUBDIR)}: "
+            print0(f"Deleted the replaced checkpoints in {storage.join(self.directory, rundir.REPLACED_SUBDIR)}: "
                    f"this run's step {step} is complete")
             self._replaced = False
 
@@ -405,7 +418,7 @@ class RunCheckpoints:
                 print0(f"Resuming from step {candidate}, the newest complete checkpoint (skipped {skipped})")
             return restored["params"], restored.get("opt_state"), restored["meta"]
         kept = "kept there, not deleted" if self._read_only else \
-            f"moved to {os.path.join(self.directory, rundir.DAMAGED_SUBDIR)}, which jaxchat never deletes"
+            f"moved to {storage.join(self.directory, rundir.DAMAGED_SUBDIR)}, which jaxchat never deletes"
         raise NoCheckpointError(f"No complete checkpoint in {self.directory}: every step ({skipped}) is damaged "
                                 f"({kept}); to train anew, pick another --model-tag, or start a new run here (without "
                                 "--resume-from-step)")
@@ -459,7 +472,7 @@ class RunCheckpoints:
         # shape was checked equal above
         args = ocp.args.Composite(**{item: ocp.args.StandardRestore(target, strict=item != "opt_state")
                                      for item, target in targets.items()})
-        step_dir = os.path.join(self.directory, str(step))
+        step_dir = storage.join(self.directory, str(step))
 
         def restore_arrays():
             with reading_step_files(step_dir):  # Orbax reads nothing but the step's files here
@@ -487,7 +500,7 @@ class RunCheckpoints:
         except DataError as e:  # the data's, whatever its class: raised as DataError on every process
             outcome = {"error": DataError.__name__, "message": str(e)}
         except Exception as e:  # noqa: BLE001 -- tensorstore's errors arrive wrapped in a bare Exception from Orbax
-            outcome = {"damaged": is_damage(e, os.path.join(self.directory, str(step))), "reason": error_reason(e)}
+            outcome = {"damaged": is_damage(e, storage.join(self.directory, str(step))), "reason": error_reason(e)}
         for process, theirs in enumerate(gathered(f"{what} outcome", outcome)):
             if theirs is not None:
                 raise self._restore_failure(step, what, process, theirs)
@@ -506,13 +519,13 @@ class RunCheckpoints:
     def _read_data_state(self, step: int) -> dict:
         """This process's data iterator state: grain writes `process_<i>-of-<n>.json` per process (its
         CheckpointHandler); the file is the step's, so its damage is."""
-        data_dir = os.path.join(self.directory, str(step), "data")
+        data_dir = storage.join(self.directory, str(step), "data")
         count = jax.process_count()
-        path = os.path.join(data_dir, f"process_{jax.process_index()}-of-{count}.json")
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as f, reading_step_files(path):
+        path = storage.join(data_dir, f"process_{jax.process_index()}-of-{count}.json")
+        if storage.exists(path):
+            with storage.open_file(path, encoding="utf-8") as f, reading_step_files(path):
                 return json.load(f)
-        names = os.listdir(data_dir) if os.path.isdir(data_dir) else []
+        names = storage.listdir(data_dir) if storage.isdir(data_dir) else []
         counts = {m.group(1) for m in (re.match(r"process_\d+-of-(\d+)\.json$", n) for n in names) if m}
         if counts:
             raise CheckpointMismatchError(

@@ -12,9 +12,9 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import os
 import re
 
+from jaxchat import storage
 from jaxchat.model.gpt import DEFAULT_RECIPE, GPTConfig
 
 # Which train flag sets each model_config field, for messages about a mismatch.
@@ -131,7 +131,7 @@ TRAINING_META_KEYS = tuple(f.name for f in dataclasses.fields(TrainingMeta)
 
 def step_meta_file(directory: str, step: int) -> str:
     """The JSON file of a step's metadata: its item "meta", as Orbax's JsonCheckpointHandler writes it."""
-    return os.path.join(directory, str(step), "meta", "metadata")
+    return storage.join(directory, str(step), "meta", "metadata")
 
 
 def tokenizer_info(tokenizer) -> dict:

@@ -2,6 +2,8 @@
 
     <run dir>/<step>/                           a complete step (Orbax names a save by its number only once it is whole)
     <run dir>/<step>.orbax-checkpoint-tmp-<t>   a save that was interrupted, or is being written
+    gs://.../<run dir>/<step>/                  in a bucket, where a rename is a copy: a save is written under its
+                                                number and complete once Orbax wrote its commit_success.txt, last
     <run dir>/run.lock                          the lock of the run writing here (jaxchat.checkpoint.lock)
     <run dir>/replaced/<step>/                  steps set aside by --overwrite, deleted once the new run's first
                                                 checkpoint is complete
@@ -9,7 +11,8 @@
                                                 run as soon as it finds them damaged (a restore that reads their
                                                 arrays), or when it sets them aside or saves their number again
 
-Each function reads or changes what the calling process sees. In a run of several processes
+Every path goes through jaxchat.storage (a local disk or gs://). Each function reads or changes what the calling
+process sees. In a run of several processes
 jaxchat.checkpoint.manager calls them on process 0 only (jaxchat.distributed.multihost.decided_by_process_0) and every process
 acts on that reading, so that the caches of a shared filesystem cannot split the processes' decisions.
 Nothing here deletes a step: steps are moved, and only replaced/ is deleted, once the run that set them aside
@@ -21,42 +24,57 @@ newest complete one, needs --overwrite (decide_start).
 
 import os
 import re
-import shutil
 
 from jaxchat.checkpoint.damage import step_problem
 from jaxchat.checkpoint.meta import LATEST, CheckpointError, NoCheckpointError
 from jaxchat.common import base_dir_hint
 from jaxchat.checkpoint.lock import LOCK_FILE
+from jaxchat import storage
 
 REPLACED_SUBDIR = "replaced"
 DAMAGED_SUBDIR = "damaged"
 _UNFINISHED = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
+COMMIT_MARKER = "commit_success.txt"  # Orbax's last file of a save in a bucket (orbax/checkpoint/_src/path/atomicity.py)
+
+
+def _numbered(directory: str) -> list[str]:
+    """The names of directory's numbered subdirectories, as the storage lists them ([] without the directory)."""
+    if not storage.isdir(directory):
+        return []
+    return [name for name in storage.listdir(directory)
+            if name.isdigit() and storage.isdir(storage.join(directory, name))]
+
+
+def _committed(directory: str, name: str) -> bool:
+    """Whether a numbered directory is a whole save: on a disk, any (Orbax renames a save to its number once it is
+    whole); in a bucket, one with Orbax's commit marker."""
+    return not storage.is_url(directory) or storage.exists(storage.join(directory, name, COMMIT_MARKER))
 
 
 def step_numbers(directory: str) -> list[int]:
     """The steps of a run directory, complete or damaged, in order (unfinished saves are not steps)."""
-    if not os.path.isdir(directory):
-        return []
-    return sorted(int(name) for name in os.listdir(directory)
-                  if name.isdigit() and os.path.isdir(os.path.join(directory, name)))
+    return sorted(int(name) for name in _numbered(directory) if _committed(directory, name))
 
 
 def unfinished_saves(directory: str) -> list[str]:
-    """Orbax's temporary directories of saves that have not completed (interrupted, or being written)."""
-    if not os.path.isdir(directory):
+    """The saves that have not completed (interrupted, or being written): Orbax's temporary directories on a
+    disk, the numbered directories without a commit marker in a bucket."""
+    if storage.is_url(directory):
+        return sorted(name for name in _numbered(directory) if not _committed(directory, name))
+    if not storage.isdir(directory):
         return []
-    return sorted(name for name in os.listdir(directory) if _UNFINISHED.match(name))
+    return sorted(name for name in storage.listdir(directory) if _UNFINISHED.match(name))
 
 
 def holds_steps_set_aside(directory: str) -> bool:
-    replaced = os.path.join(directory, REPLACED_SUBDIR)
-    return os.path.isdir(replaced) and bool(os.listdir(replaced))
+    replaced = storage.join(directory, REPLACED_SUBDIR)
+    return storage.isdir(replaced) and bool(storage.listdir(replaced))
 
 
 def unused_path(path: str) -> str:
     """path, or path-2, path-3, ... whichever does not exist yet."""
     candidate, n = path, 1
-    while os.path.exists(candidate):
+    while storage.exists(candidate):
         n += 1
         candidate = f"{path}-{n}"
     return candidate
@@ -66,10 +84,10 @@ def move_steps(directory: str, steps: list[int], subdir: str) -> list[str]:
     """Moves steps into directory/subdir (a name already taken there gets -2, -3, ...); returns the new paths."""
     moved = []
     if steps:
-        os.makedirs(os.path.join(directory, subdir), exist_ok=True)
+        storage.makedirs(storage.join(directory, subdir))
     for step in steps:
-        target = unused_path(os.path.join(directory, subdir, str(step)))
-        os.rename(os.path.join(directory, str(step)), target)
+        target = unused_path(storage.join(directory, subdir, str(step)))
+        storage.move(storage.join(directory, str(step)), target)
         moved.append(target)
     return moved
 
@@ -78,11 +96,12 @@ def remove_if_unused(directory: str) -> bool:
     """Removes a run directory that holds nothing but its lock file (a start that failed before saving
     anything); True if it did. Anything else there (steps, unfinished saves, replaced/) keeps it."""
     try:
-        if set(os.listdir(directory)) - {LOCK_FILE}:
+        if set(storage.listdir(directory)) - {LOCK_FILE}:
             return False
-        if os.path.exists(os.path.join(directory, LOCK_FILE)):
-            os.remove(os.path.join(directory, LOCK_FILE))
-        os.rmdir(directory)
+        if storage.exists(storage.join(directory, LOCK_FILE)):
+            storage.remove(storage.join(directory, LOCK_FILE))
+        if not storage.is_url(directory):  # (a bucket's 'directory' goes with its last object)
+            os.rmdir(directory)
     except OSError:  # gone already, or something appeared meanwhile: leave it
         return False
     return True
@@ -91,7 +110,7 @@ def remove_if_unused(directory: str) -> bool:
 def holds_a_model(run_dir: str) -> bool:
     """Whether a run directory has a step with its metadata (what loading a model needs; load_model checks the
     rest): a directory left by a start that saved nothing is not a model."""
-    return any(os.path.isdir(os.path.join(run_dir, str(step), "meta")) for step in step_numbers(run_dir))
+    return any(storage.isdir(storage.join(run_dir, str(step), "meta")) for step in step_numbers(run_dir))
 
 
 def _no_checkpoints(directory: str) -> NoCheckpointError:
@@ -102,15 +121,15 @@ def _no_checkpoints(directory: str) -> NoCheckpointError:
 def find_model_tag(checkpoints_root: str) -> str:
     """The run to load when none is named, as nanochat picks it: among the run directories that hold a model,
     the deepest d<N>, else the most recently written one."""
-    if not os.path.isdir(checkpoints_root):
+    if not storage.isdir(checkpoints_root):
         raise _no_checkpoints(checkpoints_root)
-    tags = [t for t in os.listdir(checkpoints_root) if holds_a_model(os.path.join(checkpoints_root, t))]
+    tags = [t for t in storage.listdir(checkpoints_root) if holds_a_model(storage.join(checkpoints_root, t))]
     if not tags:
         raise _no_checkpoints(checkpoints_root)
     depths = [(int(m.group(1)), t) for t in tags if (m := re.fullmatch(r"d(\d+)", t))]
     if depths:
         return max(depths)[1]
-    return max(tags, key=lambda t: os.path.getmtime(os.path.join(checkpoints_root, t)))
+    return max(tags, key=lambda t: storage.getmtime(storage.join(checkpoints_root, t)))
 
 
 def restore_candidates(directory: str, step: int | str) -> list[int]:
@@ -148,7 +167,7 @@ def decide_start(directory: str, resume_from_step: int | str, overwrite: bool) -
                 "--resume-from-step latest, pick another --model-tag, or pass --overwrite to replace them "
                 "(they are deleted once this run's first checkpoint is complete)")
         if not overwrite and holds_steps_set_aside(directory):
-            replaced = os.path.join(directory, REPLACED_SUBDIR)
+            replaced = storage.join(directory, REPLACED_SUBDIR)
             raise CheckpointError(
                 f"{replaced} holds the checkpoints of a run that an --overwrite run replaced before saving "
                 f"any: pass --overwrite to replace them, or move them back into {directory} to resume them")
@@ -196,5 +215,5 @@ def delete_set_aside_once_complete(directory: str, step: int) -> bool:
     """Deletes replaced/ if `step` is complete on disk (the run's first save); False: kept, try at the next save."""
     if step_problem(directory, step) is not None:
         return False
-    shutil.rmtree(os.path.join(directory, REPLACED_SUBDIR))
+    storage.rmtree(storage.join(directory, REPLACED_SUBDIR))
     return True

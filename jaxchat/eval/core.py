@@ -33,7 +33,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jinja2 import Template
 
-from jaxchat.common import Progress, eta_text, get_base_dir, print0
+from jaxchat.common import Progress, eta_text, local_dir, print0
 from jaxchat.data.download import DownloadError, OfflineError, fetch
 from jaxchat.model.gpt import ROTARY_LENGTH_FACTOR
 from jaxchat.distributed.mesh import params_mesh, rows_partitioned
@@ -50,11 +50,12 @@ SHUFFLE_SEED = 1337  # task data is shuffled with random.Random(1337) before cro
 # The eval bundle: core.yaml (tasks), eval_data/*.jsonl (examples), eval_meta_data.csv (baselines)
 
 def download_eval_bundle(base_dir: str | None = None, url: str | None = None) -> str:
-    """<base_dir>/eval_bundle, downloaded and unpacked from url (default: $JAXCHAT_EVAL_BUNDLE_URL, else
+    """<base_dir>/eval_bundle (jaxchat.common.local_dir: a local folder where the base dir is a bucket), downloaded
+    and unpacked from url (default: $JAXCHAT_EVAL_BUNDLE_URL, else
     nanochat's public copy) on first use (about 162 MB). A file lock makes concurrent processes wait for
     one download instead of racing for it."""
     url = url or os.environ.get(EVAL_BUNDLE_URL_ENV) or EVAL_BUNDLE_URL
-    base_dir = base_dir or get_base_dir()
+    base_dir = base_dir or local_dir()
     bundle_dir = os.path.join(base_dir, "eval_bundle")
     if _bundle_complete(bundle_dir):
         return bundle_dir

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import os
 
+from jaxchat import storage
 from jaxchat.checkpoint.meta import (CHECKPOINTS_SUBDIR, CheckpointError, CheckpointMismatchError, NoCheckpointError,
                                      model_tag_flag)
 from jaxchat.common import PlatformError
@@ -46,7 +47,7 @@ def find_model_tag(base_dir: str | None = None) -> str:
     from jaxchat.common import get_base_dir
     from jaxchat.distributed.multihost import decided_by_process_0
 
-    root = os.path.join(base_dir or get_base_dir(), CHECKPOINTS_SUBDIR)
+    root = storage.join(base_dir or get_base_dir(), CHECKPOINTS_SUBDIR)
     return decided_by_process_0("model tag", lambda: run_directory.find_model_tag(root), (CheckpointError,))
 
 
@@ -87,16 +88,20 @@ def load_init_params(path: str, model_config, abstract_params, shardings, tokeni
     none of these, or its model or tokenizer is not this run's. model_kwargs: the run's GPT keyword
     arguments (recipe features), for nanochat's weights."""
     where = f"--init-from {path}"
-    if os.path.isfile(path):
+    if storage.isfile(path):
+        if storage.is_url(path):
+            raise NoCheckpointError(f"{where}: nanochat's weights are read from a local file: copy it (and its "
+                                    "meta_<step>.json) to this host first")
         return _nanochat_init_params(path, model_config, shardings, tokenizer, **model_kwargs)
-    if not os.path.isdir(path):
+    if not storage.isdir(path):
         raise NoCheckpointError(f"{where}: no such file or directory; give a jaxchat run directory, one of its step "
                                 "directories, or nanochat's model_<step>.pt")
     from jaxchat.checkpoint.manager import RunCheckpoints
     from jaxchat.common import print0
 
-    name = os.path.basename(os.path.normpath(path))
-    run_dir, step = (os.path.dirname(os.path.normpath(path)), int(name)) if name.isdigit() else (path, None)
+    path = str(path).rstrip("/") if storage.is_url(path) else os.path.normpath(path)  # (normpath: gs:// -> gs:/)
+    name = path.rsplit("/", 1)[-1] if storage.is_url(path) else os.path.basename(path)
+    run_dir, step = (storage.dirname(path), int(name)) if name.isdigit() else (path, None)
     try:
         ckpt = RunCheckpoints(run_dir, read_only=True)
     except CheckpointError as e:
