@@ -361,9 +361,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Reset or assemble the jaxchat report card")
     parser.add_argument("command", nargs="?", default="generate", choices=["generate", "reset"],
                         help="reset: start a new report; generate: write report.md (default)")
+    parser.add_argument("--keep", action="store_true",
+                        help="with reset: do nothing if a report was started (a requeued job's second start)")
     args = parser.parse_args(argv)
     report = get_report()
-    if args.command == "generate":
+    if args.keep and storage.exists(report.path(f"{slugify(Section.SYSTEM)}.json")):
+        print(f"Report in {report.report_dir} kept (started earlier)")
+    elif args.command == "generate":
         path = report.generate()
         for label, value in report.summary():
             print(f"{label:<32} {value}")

@@ -11,9 +11,10 @@
 #   JAXCHAT_MAX_REQUEUES   how often a job that keeps losing processes (status 69, 134) queues itself again (3)
 #
 # Before the first job, once, from a login or compute node: the virtual environment, the data and the
-# tokenizer, as runs/speedrun.sh makes them (its first three sections). Everything below must be on a
-# filesystem that every node sees: this checkout with its .venv, and $JAXCHAT_BASE_DIR (shards,
-# tokenizer, checkpoints: Orbax writes one checkpoint from all processes together).
+# tokenizer, as runs/speedrun.sh makes them (its first three sections). This checkout with its .venv must be on a
+# filesystem that every node sees, and $JAXCHAT_BASE_DIR (shards, tokenizer, checkpoints: Orbax writes one
+# checkpoint from all processes together) there too, or in a bucket: JAXCHAT_BASE_DIR=gs://BUCKET/PREFIX with the
+# gcs extra (README: A bucket as the base directory).
 #
 # Without SLURM: start the same command on every host with
 #   JAX_COORDINATOR_ADDRESS=<host 0>:<free port> JAX_NUM_PROCESSES=<hosts> JAX_PROCESS_ID=<0..hosts-1>
@@ -54,7 +55,7 @@ if [ "$DEVICE_BATCH" -lt 1 ] || [ $((DEVICE_BATCH * 2048 * GPUS)) -ne 524288 ]; 
 fi
 echo "$SLURM_JOB_NUM_NODES nodes x ${SLURM_GPUS_ON_NODE:-8} GPUs: $DEVICE_BATCH rows of 2048 per GPU"
 
-[ -f "$JAXCHAT_BASE_DIR/report/system.json" ] || "$PYTHON" -m jaxchat.report reset
+"$PYTHON" -m jaxchat.report reset --keep  # a requeued job keeps its report (the base dir may be a bucket: gs://)
 
 # one task per node. Training exits 75 when a signal stopped it with its checkpoint saved (scripts/train.py's
 # EXIT_STOPPED), so a non-zero exit is not always a failure: rather than --kill-on-bad-exit (its SIGKILL of

@@ -15,7 +15,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from jaxchat import report
+from jaxchat import report, storage
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -168,3 +168,23 @@ def test_command_line(tmp_path, monkeypatch, capsys):
     assert os.path.getsize(tmp_path / "report" / "training_curve_d4.png") > 0
     with pytest.raises(SystemExit):
         report.main(["publish"])
+
+
+def test_a_report_in_a_bucket_and_a_requeued_jobs_reset_keeps_it(gcs, monkeypatch, capsys):
+    """runs/multihost_slurm.sh starts every job with `reset --keep`: the first start of a job makes the report, a
+    requeued start keeps it. In a bucket (fake-gcs-server): sections, curve (appended by rewriting its object),
+    report.md and the curve's image all there."""
+    monkeypatch.setenv("JAXCHAT_BASE_DIR", gcs)
+    report.main(["reset", "--keep"])
+    log_stages(report.get_report(model_tag="d4"))
+    report.get_report(model_tag="d4").append_curve([(0, 9.0, 3.0)])
+    report.get_report(model_tag="d4").append_curve([(1, 8.0, None), (2, 7.5, 2.8)])
+    report.main(["reset", "--keep"])
+    assert "kept (started earlier)" in capsys.readouterr().out
+    report.main([])
+    assert re.search(r"^Val bpb +2\.01235$", capsys.readouterr().out, re.M)
+    folder = storage.join(gcs, "report")
+    assert storage.read_text(storage.join(folder, "training_curve_d4.csv")).splitlines() == \
+        ["step,train_loss,val_bpb", "0,9.000000,3.000000", "1,8.000000,", "2,7.500000,2.800000"]
+    assert storage.read_bytes(storage.join(folder, "training_curve_d4.png")).startswith(b"\x89PNG")
+    assert "![training loss and validation bpb of d4]" in storage.read_text(storage.join(folder, "report.md"))
