@@ -12,11 +12,11 @@ jaxchat imports this module: it is the command's (so that download and local_cor
 
 import argparse
 import json
-import os
 import sys
 
+from jaxchat import storage
 from jaxchat.data import download, local_corpus
-from jaxchat.data.shards import CORPORA, CORPUS_INFO_FILE, DEFAULT_CORPUS, open_shard
+from jaxchat.data.shards import CORPORA, CORPUS_INFO_FILE, DEFAULT_CORPUS, count_row_groups
 # scripts.bench reads shards through this module's names; it may import them from jaxchat.data.shards instead
 from jaxchat.data.shards import list_row_groups, read_row_group  # noqa: F401
 
@@ -71,13 +71,12 @@ def main(argv: list[str] | None = None) -> None:
         paths = local_corpus.write_shards(make_documents, args.data_dir, overwrite=args.overwrite, source=source_name,
                              chars_per_shard=args.chars_per_shard or chars_per_shard,
                              docs_per_row_group=args.docs_per_row_group or docs_per_row_group)
-    except (ValueError, OSError, download.OfflineError) as e:
+    except (ValueError, OSError, download.OfflineError, storage.StorageError) as e:
         sys.exit(f"error: {e}")
-    with open(os.path.join(os.path.dirname(paths[0]), CORPUS_INFO_FILE)) as f:
-        info = json.load(f)
-    row_groups = sum(open_shard(path).num_row_groups for path in paths)
+    info = json.loads(storage.read_text(storage.join(storage.dirname(paths[0]), CORPUS_INFO_FILE)))
+    row_groups = sum(map(count_row_groups, paths))
     print(f"{info['documents']:,} documents, {info['characters']:,} characters -> {len(paths)} shards "
-          f"({len(paths) - 1} train + 1 val), {row_groups} row groups, in {os.path.dirname(paths[0])}")
+          f"({len(paths) - 1} train + 1 val), {row_groups} row groups, in {storage.dirname(paths[0])}")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ import functools
 import os
 import posixpath
 import shutil
+import tempfile
+import uuid
 from typing import IO
 
 GCS_PREFIX = "gs://"
@@ -129,7 +131,13 @@ def makedirs(path: str) -> None:
 def open_file(path: str, mode: str = "r", encoding: str | None = None) -> IO:
     if not is_url(path):
         return open(path, mode, encoding=encoding)
-    return _on_gcs("open", path, mode, encoding=encoding) if "b" not in mode else _on_gcs("open", path, mode)
+    # readahead: each read fetches what it asks for and the rest of a 5 MB block (a parquet footer, then a row
+    # group's column). gcsfs 2026's default ("adaptive") prefetches on background threads whose deferred close
+    # fails with tracebacks at interpreter exit
+    options = {"cache_type": "readahead"} if "r" in mode else {}
+    if "b" not in mode:
+        options["encoding"] = encoding
+    return _on_gcs("open", path, mode, **options)
 
 
 def read_text(path: str) -> str:
@@ -143,15 +151,19 @@ def read_bytes(path: str) -> bytes:
 
 
 def write_bytes(path: str, data: bytes) -> None:
-    """Writes a whole file: locally to path.tmp renamed over path (a reader never sees half of it); in a bucket
-    one upload, which GCS makes visible whole or not at all."""
+    """Writes a whole file: locally to a staging name renamed over path (a reader never sees half of it); in a
+    bucket one upload, which GCS makes visible whole or not at all."""
     if is_url(path):
         _on_gcs("pipe_file", path, data)
         return
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    staged = staging_path(path)
+    try:
+        with open(staged, "wb") as f:
+            f.write(data)
+        publish(staged, path)
+    finally:
+        if os.path.exists(staged):  # a write that failed (disk full): nothing left behind
+            os.remove(staged)
 
 
 def write_text(path: str, text: str) -> None:
@@ -167,6 +179,24 @@ def append_text(path: str, text: str) -> None:
         return
     with open(path, "a", encoding="utf-8", newline="") as f:
         f.write(text)
+
+
+def staging_path(path: str) -> str:
+    """A new local name at which to write what becomes path (publish): beside path on a disk, where the rename is
+    atomic; in the local temporary folder for a bucket. Unique, so writers on threads never share one; made by
+    open() like any file, so the file gets the usual mode (mkstemp's is 0600)."""
+    name = f"{posixpath.basename(str(path))}.{uuid.uuid4().hex[:12]}.tmp"
+    return os.path.join(tempfile.gettempdir(), name) if is_url(path) else os.path.join(os.path.dirname(path), name)
+
+
+def publish(staged: str, path: str) -> None:
+    """A finished local file (staging_path's) becomes path: renamed on a disk; uploaded in one piece to a bucket
+    (an object is visible whole or not at all), then removed here."""
+    if not is_url(path):
+        os.replace(staged, path)
+        return
+    _on_gcs("put_file", staged, path)
+    os.remove(staged)
 
 
 def move(source: str, target: str) -> None:
@@ -190,6 +220,11 @@ def rmtree(path: str) -> None:
         _on_gcs("rm", path, recursive=True)
     else:
         shutil.rmtree(path)
+
+
+def size(path: str) -> int:
+    """A file's size in bytes."""
+    return _on_gcs("size", path) if is_url(path) else os.path.getsize(path)
 
 
 def getmtime(path: str) -> float:

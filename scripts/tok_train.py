@@ -8,6 +8,7 @@ import os
 import time
 from collections.abc import Iterator
 
+from jaxchat import storage
 from jaxchat.common import Progress
 from jaxchat.data.shards import list_row_groups, read_row_group
 from jaxchat.report import Label, Section, get_report
@@ -66,8 +67,8 @@ token_bytes = tokenizer.token_bytes()
 regular = token_bytes[token_bytes > 0]
 print(f"saved to {tokenizer_dir}: vocab_size {tokenizer.get_vocab_size():,} "
       f"({len(tokenizer.mergeable_ranks) - 256:,} merges + 256 bytes + {len(SPECIAL_TOKENS)} special)")
-for name in sorted(os.listdir(tokenizer_dir)):
-    print(f"  {name}: {os.path.getsize(os.path.join(tokenizer_dir, name)):,} bytes")
+for name in sorted(storage.listdir(tokenizer_dir)):
+    print(f"  {name}: {storage.size(storage.join(tokenizer_dir, name)):,} bytes")
 print(f"token bytes: min {regular.min()}, max {regular.max()}, mean {regular.mean():.2f}, std {regular.std():.2f}")
 
 get_report().log(section=Section.TOKENIZER_TRAINING, data=[

@@ -20,6 +20,7 @@ import pytest
 
 from jax.sharding import SingleDeviceSharding
 
+from jaxchat import storage
 from jaxchat.checkpoint import manager as ckpt
 from jaxchat.data import loader as dataloader, shards
 from jaxchat.data.tokenizer import Tokenizer
@@ -282,6 +283,26 @@ def test_exact_resume(tokenizer, small_data_dir, uninterrupted, k):
         inputs, targets = next(resumed)
         np.testing.assert_array_equal(inputs, batches[i][0])
         np.testing.assert_array_equal(targets, batches[i][1])
+    resumed.close()
+
+
+def test_shards_in_a_bucket_give_the_same_batches_and_states_as_on_a_disk(tokenizer, small_data_dir, uninterrupted,
+                                                                          gcs):
+    states, batches = uninterrupted
+    bucket_dir = f"{gcs}/base_data"
+    for name in sorted(os.listdir(small_data_dir)):  # uploaded as a user would, with gcloud storage cp
+        with open(os.path.join(small_data_dir, name), "rb") as f:
+            storage.write_bytes(f"{bucket_dir}/{name}", f.read())
+    in_bucket = make_loader(tokenizer, bucket_dir)
+    for i in range(30):
+        assert json.loads(json.dumps(in_bucket.get_state())) == states[i]  # names and sizes: no path in a state
+        inputs, targets = next(in_bucket)
+        np.testing.assert_array_equal(inputs, batches[i][0])
+        np.testing.assert_array_equal(targets, batches[i][1])
+    in_bucket.close()
+    resumed = make_loader(tokenizer, bucket_dir)  # a position saved on a disk resumes in the bucket
+    resumed.set_state(states[17])
+    np.testing.assert_array_equal(next(resumed)[0], batches[17][0])
     resumed.close()
 
 

@@ -7,13 +7,14 @@ import io
 import json
 import os
 import socket
+import tempfile
 import threading
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jaxchat import dataset
+from jaxchat import dataset, storage
 
 from jaxchat.data import download
 from jaxchat.common import Progress
@@ -194,6 +195,24 @@ def test_download_in_parallel(server, tmp_path, capsys):
     assert "\r" not in out
     assert len(out.splitlines()) == 4 + 2
     assert "done: 4/4 shards" in out
+
+
+def test_the_commands_put_shards_into_a_bucket_and_leave_no_local_file(server, gcs, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("JAXCHAT_BASE_DIR", gcs)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where downloads are checked before their upload
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    monkeypatch.setenv("JAXCHAT_DATA_URL", server.url)
+    dataset.main(["-n", "4", "-w", "2"])
+    for name, body in server.files.items():
+        assert storage.read_bytes(f"{gcs}/base_data/{name}") == body
+    dataset.main(["--builtin", "--data-dir", f"{gcs}/builtin"])
+    paths = list_parquet_files(f"{gcs}/builtin")
+    assert len(paths) >= 2 and paths[0].startswith(f"{gcs}/builtin/")
+    assert json.loads(storage.read_text(f"{gcs}/builtin/{CORPUS_INFO_FILE}"))["shards"] == len(paths)
+    assert f"in {gcs}/builtin" in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path)) == []  # each staged file removed once uploaded
+    val = list_row_groups("val", f"{gcs}/builtin")
+    assert {path for path, _ in val} == {paths[-1]} and all(read_row_group(*val[-1]))
 
 
 def test_a_failed_first_attempt_is_retried(server, tmp_path):

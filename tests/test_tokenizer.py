@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import regex
 
+from jaxchat import storage
 from jaxchat.data.tokenizer import (CONFIG_FILE, RANKS_FILE, SPECIAL_TOKENS, SPLIT_PATTERN, TOKEN_BYTES_FILE,
                                Tokenizer, TokenizerError, get_token_bytes, get_tokenizer)
 
@@ -210,6 +211,19 @@ def test_default_location_is_under_the_base_dir(tokenizer, tmp_path, monkeypatch
     tokenizer.save(str(tmp_path / "tokenizer"))
     assert get_tokenizer().mergeable_ranks == tokenizer.mergeable_ranks
     np.testing.assert_array_equal(get_token_bytes(), tokenizer.token_bytes())
+
+
+def test_a_tokenizer_in_a_bucket_loads_as_from_a_disk_and_a_missing_one_is_named(tokenizer, tmp_path, gcs,
+                                                                                    monkeypatch):
+    monkeypatch.setenv("JAXCHAT_BASE_DIR", gcs)
+    tokenizer.save(f"{gcs}/tokenizer")  # as scripts.tok_train saves it into a gs:// base dir
+    tokenizer.save(str(tmp_path))
+    for name in (CONFIG_FILE, RANKS_FILE, TOKEN_BYTES_FILE):  # the same bytes as on a disk
+        assert storage.read_bytes(f"{gcs}/tokenizer/{name}") == (tmp_path / name).read_bytes()
+    assert get_tokenizer().mergeable_ranks == tokenizer.mergeable_ranks
+    np.testing.assert_array_equal(get_token_bytes(), tokenizer.token_bytes())
+    with pytest.raises(FileNotFoundError, match=f"no tokenizer at {gcs}/elsewhere .*python -m scripts.tok_train"):
+        get_tokenizer(f"{gcs}/elsewhere")
 
 
 def test_loading_refuses_pickles_and_malformed_files(tokenizer, tmp_path):

@@ -9,7 +9,6 @@ import errno
 import http.client
 import os
 import socket
-import tempfile
 import threading
 import time
 import urllib.error
@@ -17,9 +16,10 @@ import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from jaxchat import storage
 from jaxchat.common import Progress, eta_text
-from jaxchat.data.shards import (CORPUS_INFO_FILE, DEFAULT_CORPUS, CorruptShardError, get_corpus, get_data_dir, open_shard,
-                            shard_filename)
+from jaxchat.data.shards import (CORPUS_INFO_FILE, DEFAULT_CORPUS, CorruptShardError, count_row_groups, get_corpus,
+                                 get_data_dir, shard_filename)
 
 BASE_URL_ENV = "JAXCHAT_DATA_URL"  # a mirror, or a local server in the tests
 
@@ -98,15 +98,14 @@ def fetch(url: str, path: str, *, check: Callable[[str], object] = lambda path: 
         progress.status(f"{label}: {done / 1e6:,.1f}{of_total} MB at {done / 1e6 / max(elapsed, 1e-9):,.1f} MB/s"
                         + (f" | {eta_text(done, total, elapsed)}" if total else ""))
 
-    directory = os.path.dirname(path) or "."
     for attempt in range(1, max_attempts + 1):
         done = 0  # this attempt's bytes: a retry starts the file again
-        fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + ".", suffix=".tmp")
+        tmp_path = storage.staging_path(path)  # checked on the local disk before a bucket gets it
         try:
-            with os.fdopen(fd, "wb") as f:
+            with open(tmp_path, "wb") as f:
                 _get(url, f, timeout_s, count)
             check(tmp_path)
-            os.replace(tmp_path, path)
+            storage.publish(tmp_path, path)
             if progress:
                 progress.close(f"{label}: {done / 1e6:,.1f} MB downloaded in {time.monotonic() - start:.1f}s")
             return
@@ -139,15 +138,15 @@ def download_shard(index: int, data_dir: str, base_url: str, log: Callable[[str]
     """Fetch one shard into data_dir (with fetch's retries; it must open as a shard), unless a readable
     copy is already there. True when it downloaded, False when the shard was already complete."""
     name = shard_filename(index)
-    path = os.path.join(data_dir, name)
-    if os.path.exists(path):
+    path = storage.join(data_dir, name)
+    if storage.exists(path):
         try:
-            open_shard(path)
+            count_row_groups(path)
             return False
         except CorruptShardError:
             log(f"{name}: the file on disk is not a readable shard; downloading it again")
-            os.remove(path)
-    fetch(f"{base_url.rstrip('/')}/{name}", path, check=open_shard, log=log, **fetch_kwargs)
+            storage.remove(path)
+    fetch(f"{base_url.rstrip('/')}/{name}", path, check=count_row_groups, log=log, **fetch_kwargs)
     return True
 
 
@@ -168,8 +167,8 @@ def download_shards(num_files: int, data_dir: str | None = None, base_url: str |
     tried once) when the source cannot be reached at all, with what to do offline."""
     data_dir = get_data_dir(data_dir, corpus)
     base_url = base_url or os.environ.get(BASE_URL_ENV) or get_corpus(corpus).base_url
-    os.makedirs(data_dir, exist_ok=True)
-    if os.path.exists(os.path.join(data_dir, CORPUS_INFO_FILE)):
+    storage.makedirs(data_dir)
+    if storage.exists(storage.join(data_dir, CORPUS_INFO_FILE)):
         raise ValueError(f"{data_dir} holds a corpus built from local text ({CORPUS_INFO_FILE}); downloading "
                          f"{corpus} into it would mix the two. Use another --data-dir or JAXCHAT_BASE_DIR.")
     indices = shards_to_fetch(num_files, corpus)
@@ -197,7 +196,7 @@ def download_shards(num_files: int, data_dir: str | None = None, base_url: str |
         try:
             downloaded = download_shard(index, data_dir, base_url, on_bytes=on_bytes, log=progress.line,
                                         **fetch_kwargs)
-            size_mb = os.path.getsize(os.path.join(data_dir, name)) / 1e6
+            size_mb = storage.size(storage.join(data_dir, name)) / 1e6
             what = f"{size_mb:,.1f} MB in {time.monotonic() - t0:.1f}s" if downloaded else "already complete"
             progress.line(f"{name}: {what}")
         except DownloadError as e:

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 import grain
 import numpy as np
 
+from jaxchat import storage
 from jaxchat.data import shards
 from jaxchat.data.shards import DataError
 
@@ -298,7 +299,8 @@ def _make_loader(tokenizer, split: str, batch_shape: tuple[int, ...], seq_len: i
     row_groups = process_row_groups(split, process_index, process_count, data_dir)
     texts = grain.MapDataset.source(row_groups).map(lambda row_group: shards.read_row_group(*row_group))
     # File names and sizes, not paths: the data may move between runs.
-    names = [(os.path.basename(path), os.path.getsize(path), row_group) for path, row_group in row_groups]
+    sizes = {path: storage.size(path) for path in dict.fromkeys(path for path, _ in row_groups)}  # one ask per file
+    names = [(os.path.basename(path), sizes[path], row_group) for path, row_group in row_groups]
     fingerprint = f"{len(row_groups)} row groups, sha1 {hashlib.sha1(json.dumps(names).encode()).hexdigest()[:12]}"
     # one string: grain writes the state with indent=4, which would put each file on a line of its own
     files = json.dumps({name: size for name, size, _ in names})

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from jaxchat import storage
 from jaxchat.data.shards import CORPUS_INFO_FILE, get_data_dir, list_parquet_files, shard_filename
 
 
@@ -137,7 +138,7 @@ def write_shards(make_documents: Callable[[], Iterable[str]], data_dir: str | No
     validation split), docs_per_row_group documents per row group. make_documents is called twice (count,
     then write), so a corpus larger than memory streams through. Returns the shard paths."""
     data_dir = get_data_dir(data_dir)
-    os.makedirs(data_dir, exist_ok=True)
+    storage.makedirs(data_dir)
     existing = list_parquet_files(data_dir)
     if existing and not overwrite:
         raise ValueError(f"{data_dir} already holds {len(existing)} shards; pass --overwrite to replace them "
@@ -147,17 +148,18 @@ def write_shards(make_documents: Callable[[], Iterable[str]], data_dir: str | No
         raise ValueError(f"need at least 2 non-empty documents for a training and a validation shard, "
                          f"got {len(lengths)}")
     for path in existing:
-        os.remove(path)
+        storage.remove(path)
     total_chars = sum(lengths)
     num_shards = max(2, math.ceil(total_chars / chars_per_shard))
 
     paths = []
 
     def flush(docs: list[str]) -> None:
-        path = os.path.join(data_dir, shard_filename(len(paths)))
+        path = storage.join(data_dir, shard_filename(len(paths)))
         table = pa.table({"text": pa.array(docs, type=pa.string())})
-        pq.write_table(table, path + ".tmp", row_group_size=docs_per_row_group, compression="zstd")
-        os.replace(path + ".tmp", path)
+        staged = storage.staging_path(path)  # on the local disk: pyarrow writes it, then a bucket gets it whole
+        pq.write_table(table, staged, row_group_size=docs_per_row_group, compression="zstd")
+        storage.publish(staged, path)
         paths.append(path)
 
     # A document goes to the shard its middle character falls in, so shards hold equal shares of the text;
@@ -177,8 +179,7 @@ def write_shards(make_documents: Callable[[], Iterable[str]], data_dir: str | No
 
     info = {"source": source, "documents": len(lengths), "characters": total_chars, "shards": len(paths),
             "chars_per_shard": chars_per_shard, "docs_per_row_group": docs_per_row_group}
-    with open(os.path.join(data_dir, CORPUS_INFO_FILE), "w") as f:
-        json.dump(info, f, indent=2)
+    storage.write_text(storage.join(data_dir, CORPUS_INFO_FILE), json.dumps(info, indent=2))
     return paths
 
 

@@ -4,11 +4,14 @@ The last shard is the validation split; all others are training. Getting shards:
 command `python -m jaxchat.dataset` (jaxchat/dataset.py, which builds on this module, not the reverse).
 """
 
+import contextlib
 import dataclasses
-import os
 import types
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from jaxchat import storage
 from jaxchat.common import base_dir_hint, get_base_dir
 
 if TYPE_CHECKING:
@@ -53,7 +56,7 @@ def get_corpus(name: str) -> Corpus:
 
 def get_data_dir(data_dir: str | None = None, corpus: str = DEFAULT_CORPUS) -> str:
     """data_dir, else the corpus's own directory under the base dir."""
-    return data_dir or os.path.join(get_base_dir(), get_corpus(corpus).dir_name)
+    return data_dir or storage.join(get_base_dir(), get_corpus(corpus).dir_name)
 
 
 class DataError(ValueError):
@@ -74,8 +77,8 @@ def get_data_hint(where: str) -> str:
     the corpus whose directory it is, the offline built-in corpus written there, and the other corpus
     directories of this base dir that already hold shards (e.g. the CPU demo's built-in shards in base_data
     while recipe 92d63d4 looks in base_data_climbmix)."""
-    where = os.path.abspath(where)
-    corpus_dirs = {name: os.path.abspath(get_data_dir(None, name)) for name in CORPORA}
+    where = storage.absolute(where)
+    corpus_dirs = {name: storage.absolute(get_data_dir(None, name)) for name in CORPORA}
     commands = [f"`python -m jaxchat.dataset -n 8{'' if name == DEFAULT_CORPUS else f' --corpus {name}'}` "
                 f"(downloads {name})" for name, path in corpus_dirs.items() if path == where]
     data_dir_flag = "" if where == corpus_dirs[DEFAULT_CORPUS] else f" --data-dir {where}"
@@ -93,9 +96,9 @@ def get_data_hint(where: str) -> str:
 def list_parquet_files(data_dir: str | None = None) -> list[str]:
     """Full paths of the shards in data_dir, sorted by name (so the last one is the validation split)."""
     data_dir = get_data_dir(data_dir)
-    if not os.path.isdir(data_dir):
+    if not storage.isdir(data_dir):
         return []
-    return [os.path.join(data_dir, name) for name in sorted(os.listdir(data_dir)) if name.endswith(".parquet")]
+    return [storage.join(data_dir, name) for name in sorted(storage.listdir(data_dir)) if name.endswith(".parquet")]
 
 
 def parquet_paths_for_split(split: str, data_dir: str | None = None) -> list[str]:
@@ -110,27 +113,41 @@ def parquet_paths_for_split(split: str, data_dir: str | None = None) -> list[str
     return paths[:-1] if split == "train" else paths[-1:]
 
 
-def open_shard(path: str) -> "pq.ParquetFile":
-    """Open a shard and check that it is parquet with a string `text` column; the error names the file."""
+@contextlib.contextmanager
+def open_shard(path: str) -> Iterator["pq.ParquetFile"]:
+    """A shard, opened and checked to be parquet with a string `text` column; the error names the file. In a bucket
+    pyarrow reads through the storage seam's file object (never its own gs:// client, which would look for other
+    credentials), which fetches only the byte ranges it asks for: the footer, then the row groups read."""
     # pyarrow here, not above: what needs only DataError or the paths (settings, checkpoints) does not import it
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    try:
-        parquet_file = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as e:
-        raise CorruptShardError(f"{path} is not a readable parquet file ({' '.join(str(e).split())}); delete it and "
-                                "fetch or build it again") from e
-    field = parquet_file.schema_arrow.field("text") if "text" in parquet_file.schema_arrow.names else None
-    if field is None or not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)):
-        raise CorruptShardError(f"{path} has no string column 'text' (columns: {parquet_file.schema_arrow.names})")
-    return parquet_file
+    with contextlib.ExitStack() as stack:
+        source = stack.enter_context(storage.open_file(path, "rb")) if storage.is_url(path) else path
+        try:
+            parquet_file = pq.ParquetFile(source)
+        except (pa.ArrowException, OSError) as e:
+            raise CorruptShardError(f"{path} is not a readable parquet file ({' '.join(str(e).split())}); delete "
+                                    "it and fetch or build it again") from e
+        field = parquet_file.schema_arrow.field("text") if "text" in parquet_file.schema_arrow.names else None
+        if field is None or not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)):
+            raise CorruptShardError(f"{path} has no string column 'text' (columns: {parquet_file.schema_arrow.names})")
+        yield parquet_file
+
+
+def count_row_groups(path: str) -> int:
+    """How many row groups a shard has (CorruptShardError if it is not one)."""
+    with open_shard(path) as parquet_file:
+        return parquet_file.num_row_groups
 
 
 def list_row_groups(split: str, data_dir: str | None = None) -> list[tuple[str, int]]:
-    """Every (shard path, row group index) of the split, in reading order."""
-    return [(path, rg) for path in parquet_paths_for_split(split, data_dir)
-            for rg in range(open_shard(path).num_row_groups)]
+    """Every (shard path, row group index) of the split, in reading order. Each shard's footer is read on one of
+    16 threads: in a bucket each is a round trip or two, and a run of hundreds of shards starts in seconds."""
+    paths = parquet_paths_for_split(split, data_dir)
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        counts = list(pool.map(count_row_groups, paths))
+    return [(path, rg) for path, count in zip(paths, counts) for rg in range(count)]
 
 
 def read_row_group(path: str, row_group: int) -> list[str]:
@@ -138,9 +155,9 @@ def read_row_group(path: str, row_group: int) -> list[str]:
     decode, or a document that is not UTF-8 (a file corrupted in place keeps its footer, so it still opens)."""
     import pyarrow as pa
 
-    parquet_file = open_shard(path)
     try:
-        return parquet_file.read_row_group(row_group, columns=["text"]).column("text").to_pylist()
+        with open_shard(path) as parquet_file:
+            return parquet_file.read_row_group(row_group, columns=["text"]).column("text").to_pylist()
     except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
         reason = " ".join(str(e).split())  # one line: arrow's messages may span several
         raise CorruptShardError(f"{path}: row group {row_group} is unreadable ({type(e).__name__}: {reason}); delete "

@@ -16,6 +16,7 @@ import numpy as np
 import rustbpe
 import tiktoken
 
+from jaxchat import storage
 from jaxchat.common import base_dir_hint, get_base_dir
 
 SPECIAL_TOKENS = [
@@ -144,27 +145,26 @@ class Tokenizer:
     def save(self, tokenizer_dir: str) -> None:
         """Write ranks, config and token_bytes; each to a temporary name first, so a crash never leaves
         a half-written tokenizer that loads."""
-        os.makedirs(tokenizer_dir, exist_ok=True)
+        storage.makedirs(tokenizer_dir)
         by_rank = sorted(self.mergeable_ranks.items(), key=lambda item: item[1])
         ranks_text = "".join(f"{base64.b64encode(token).decode('ascii')} {rank}\n" for token, rank in by_rank)
         config = {"pattern": self.pattern, "special_tokens": self.special_tokens,
                   "vocab_size": self.get_vocab_size()}
-        _write_atomic(os.path.join(tokenizer_dir, RANKS_FILE), ranks_text.encode("ascii"))
-        _write_atomic(os.path.join(tokenizer_dir, CONFIG_FILE), (json.dumps(config, indent=2) + "\n").encode())
+        storage.write_bytes(storage.join(tokenizer_dir, RANKS_FILE), ranks_text.encode("ascii"))
+        storage.write_bytes(storage.join(tokenizer_dir, CONFIG_FILE), (json.dumps(config, indent=2) + "\n").encode())
         token_bytes_npy = io.BytesIO()
         np.save(token_bytes_npy, self.token_bytes(), allow_pickle=False)
-        _write_atomic(os.path.join(tokenizer_dir, TOKEN_BYTES_FILE), token_bytes_npy.getvalue())
+        storage.write_bytes(storage.join(tokenizer_dir, TOKEN_BYTES_FILE), token_bytes_npy.getvalue())
 
     @classmethod
     def load(cls, tokenizer_dir: str) -> "Tokenizer":
-        ranks_path, config_path = os.path.join(tokenizer_dir, RANKS_FILE), os.path.join(tokenizer_dir, CONFIG_FILE)
+        ranks_path, config_path = storage.join(tokenizer_dir, RANKS_FILE), storage.join(tokenizer_dir, CONFIG_FILE)
         for path in (ranks_path, config_path):
-            if not os.path.exists(path):
+            if not storage.exists(path):
                 raise FileNotFoundError(f"no tokenizer at {tokenizer_dir} ({os.path.basename(path)} is missing)"
                                         f"{base_dir_hint(path)}; train one with `{TRAIN_COMMAND}`")
         try:
-            with open(config_path, encoding="utf-8") as f:
-                config = json.load(f)
+            config = json.loads(storage.read_text(config_path))
             names = sorted(config["special_tokens"], key=config["special_tokens"].get)
             pattern = config["pattern"]
         except (ValueError, KeyError, TypeError, AttributeError) as e:  # cut short or edited: not our JSON
@@ -183,30 +183,23 @@ class Tokenizer:
         return tokenizer
 
 
-def _write_atomic(path: str, data: bytes) -> None:
-    with open(path + ".tmp", "wb") as f:
-        f.write(data)
-    os.replace(path + ".tmp", path)
-
-
 def _read_ranks(path: str) -> dict[bytes, int]:
     # Our own reader: tiktoken's load_tiktoken_bpe caches files by path in a temp dir, so a retrained
     # tokenizer saved to the same path would silently load the old ranks.
     ranks = {}
-    with open(path, "rb") as f:
-        for line_number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                token, rank = line.split()
-                ranks[base64.b64decode(token, validate=True)] = int(rank)
-            except ValueError:
-                raise _unreadable(path, f"line {line_number} is not a '<base64> <rank>' line: {line[:80]!r}") from None
+    for line_number, line in enumerate(storage.read_bytes(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except ValueError:
+            raise _unreadable(path, f"line {line_number} is not a '<base64> <rank>' line: {line[:80]!r}") from None
     return ranks
 
 
 def default_tokenizer_dir() -> str:
-    return os.path.join(get_base_dir(), TOKENIZER_SUBDIR)
+    return storage.join(get_base_dir(), TOKENIZER_SUBDIR)
 
 
 def get_tokenizer(tokenizer_dir: str | None = None) -> Tokenizer:
@@ -216,10 +209,10 @@ def get_tokenizer(tokenizer_dir: str | None = None) -> Tokenizer:
 
 def get_token_bytes(tokenizer_dir: str | None = None) -> np.ndarray:
     """int32 [vocab_size]: raw bytes per token id, 0 for special tokens (for bits per byte)."""
-    path = os.path.join(tokenizer_dir or default_tokenizer_dir(), TOKEN_BYTES_FILE)
-    if not os.path.exists(path):
+    path = storage.join(tokenizer_dir or default_tokenizer_dir(), TOKEN_BYTES_FILE)
+    if not storage.exists(path):
         raise FileNotFoundError(f"{path} is missing{base_dir_hint(path)}; train the tokenizer with `{TRAIN_COMMAND}`")
     try:
-        return np.load(path, allow_pickle=False)
+        return np.load(io.BytesIO(storage.read_bytes(path)), allow_pickle=False)
     except (ValueError, EOFError) as e:  # cut short: numpy says how much of the array it found
         raise _unreadable(path, f"{type(e).__name__}: {e}") from None
