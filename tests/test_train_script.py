@@ -24,11 +24,13 @@ import pytest
 from conftest import TRAIN_STEP_LINE, VAL_BPB_LINE, host_xla_flags
 from etils import epath
 
-from jaxchat import report
+from jaxchat import report, storage
+from jaxchat.checkpoint import run_directory
 from jaxchat.checkpoint.manager import RunCheckpoints
 from jaxchat.data.tokenizer import Tokenizer
 from jaxchat.distributed.multihost import EXIT_PEER_LOST
 from jaxchat.train.loop import EXIT_STOPPED
+from scripts import base_loss
 from scripts import train as train_script
 
 SMALL = ["--depth=2", "--max-seq-len=128", "--device-batch-size=4", "--total-batch-size=512", "--num-devices=1"]
@@ -478,6 +480,48 @@ def test_the_report_curve_starts_anew_and_a_resumed_run_carries_it_on(pairs):
         return {(step, "loss" if loss else "bpb"): loss or bpb for step, loss, bpb in rows}
 
     assert newest(pairs["resumed_curve"]) == newest(pairs["whole_curve"])  # rewritten with the same values
+
+
+def copy_to_bucket(local_dir, url: str) -> None:
+    """Every file under local_dir to the same names under url (as `gcloud storage cp -r` would)."""
+    for path in sorted(local_dir.rglob("*")):
+        if path.is_file():
+            storage.write_bytes(storage.join(url, path.relative_to(local_dir).as_posix()), path.read_bytes())
+
+
+@pytest.mark.slow
+def test_a_pair_killed_in_a_bucket_base_dir_resumes_from_it_exactly(pairs, gcs, tmp_path, make_base_dir, start_train,
+                                                                    rest_of_output, free_port, monkeypatch, capsys):
+    """The base dir a bucket (fake-gcs-server on 127.0.0.1): two jax.distributed processes read the tokenizer and
+    shards from gs://, save there, are SIGKILLed mid-run (a preempted slice), and a new pair resumes from `latest`
+    in the bucket to the losses of the uninterrupted pair on a local disk."""
+    copy_to_bucket(make_base_dir(tmp_path / "base"), gcs)  # the tokenizer and the shards, as uploaded by a user
+    procs = start_two_processes(gcs, start_train, free_port(), *PAIR_FLAGS, "--model-tag=killed")
+    for line in procs[0].stdout:  # killed at step 5: after the save of step 3 began (--save-every=3)
+        if line.startswith("step 00005/"):
+            break
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+    for p in procs:
+        rest_of_output(p, timeout=60)
+    run = storage.join(gcs, "base_checkpoints", "killed")
+    saved = run_directory.step_numbers(run)
+    assert saved and saved[-1] in (3, 6), saved  # 6: its save may have been under way, complete or not
+    assert storage.exists(storage.join(run, "run.lock"))  # left by the killed run: judged gone at the restart
+
+    resumed = train_two_processes(gcs, start_train, free_port(), *PAIR_FLAGS, "--model-tag=killed")
+    assert "Took over the lock" in resumed  # its holder's pid is gone from this host
+    # exact: the same compiled programs on the same batches, data position restored from the bucket
+    assert_resumed_exactly(pairs["whole"], resumed, saved[-1])
+    # the report's curve in the bucket ends as the uninterrupted run's on the disk (its final val bpb)
+    curve = storage.read_text(storage.join(gcs, "report", report.curve_file("killed"))).splitlines()
+    local = (pairs["base"] / "report" / report.curve_file("whole")).read_text().splitlines()
+    assert curve[-1] == local[-1] and local[-1].startswith(f"{PAIR_STEPS},"), (curve, local)
+
+    # an evaluation script reads the model, tokenizer and shards from the bucket
+    monkeypatch.setenv("JAXCHAT_BASE_DIR", gcs)
+    base_loss.main(["--model-tag=killed", "--device-batch-size=4", "--split-tokens=2048"])
+    assert re.search(r"^val bpb: \d+\.\d+", capsys.readouterr().out, re.M)
 
 
 @pytest.mark.slow
