@@ -53,11 +53,13 @@ def main(argv: list[str] | None = None) -> None:
     from jaxchat.distributed.mesh import maybe_initialize_distributed
 
     maybe_initialize_distributed(settings.heartbeat_timeout)  # before anything touches a device
+    from jaxchat.distributed.compilation_cache import enable_compilation_cache
     from jaxchat.distributed.multihost import watch_peers
     from jaxchat.train.loop import EXIT_STOPPED
 
     try:
         select_platform(settings.device_type)  # before anything starts a backend (--device-type=cpu on a GPU host)
+        enable_compilation_cache(settings.compilation_cache)  # before the first compile
         watch_peers()  # (several processes) answers the others from now on, whatever this one is doing
         stopped = train(settings, gpu_defaults_set)
     except Exception as e:
@@ -177,6 +179,7 @@ def build(settings: RunSettings, gpu_defaults_set: list[str] | None) -> tuple[Ru
            f"{'FSDP' if settings.fsdp else 'data parallel, ZeRO-1 optimizer state'} | remat {settings.remat}")
     if gpu_defaults_set:
         print0(f"GPU runtime defaults (not set by you): {' '.join(gpu_defaults_set)}")
+    print0(f"Compilation cache: {jax.config.jax_compilation_cache_dir or 'off'} (--compilation-cache)")
     if note := huge_pages_note():
         print0(note)
     if settings.fp8 and device.platform != "gpu":  # nanochat ignores --fp8 there; here it runs, for testing

@@ -11,6 +11,7 @@ from jaxchat.checkpoint.meta import (CHECKPOINTS_SUBDIR, CheckpointError, Checkp
                                      model_tag_flag)
 from jaxchat.common import PlatformError
 from jaxchat.data.tokenizer import TokenizerError
+from jaxchat.distributed.compilation_cache import add_compilation_cache_flag, enable_compilation_cache
 
 # What loading can fail with, each message saying what to do: a script prints it and exits
 LOAD_ERRORS: tuple[type[Exception], ...] = (FileNotFoundError, TokenizerError, PlatformError, CheckpointError)
@@ -22,6 +23,7 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
                              "that holds a model)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest complete one)")
     parser.add_argument("--device-type", type=str, default="", help="cuda|cpu (empty = autodetect)")
+    add_compilation_cache_flag(parser)
 
 
 def load_saved_model(args: argparse.Namespace):
@@ -32,6 +34,7 @@ def load_saved_model(args: argparse.Namespace):
     quiet_jax_warnings()  # first, so that starting the backend prints nothing of the libraries' either
     maybe_initialize_distributed()  # before anything touches a device
     select_platform(args.device_type)
+    enable_compilation_cache(args.compilation_cache)  # before the first compile
 
     from jaxchat.data.tokenizer import get_tokenizer
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from jaxchat.checkpoint.meta import LATEST, check_model_tag, parse_resume_step
 from jaxchat.model.fp8 import RECIPES as FP8_RECIPES
+from jaxchat.distributed.compilation_cache import FLAG_HELP as COMPILATION_CACHE_HELP
 from jaxchat.distributed.mesh import HEARTBEAT_TIMEOUT_S
 from jaxchat.train.profiling import ProfileStepsError, parse_profile_steps
 from jaxchat.model.gpt import DEFAULT_RECIPE, REMAT_POLICIES, check_window_pattern, width_and_heads
@@ -204,6 +205,7 @@ class RunSettings:
                          "jaxchat.model.footprint)", "JAX", nanochat=False, choices=("auto", *REMAT_POLICIES), resume=FREE)
     loss_chunk_len: int = setting(128, "positions per chunk of the loss head (float32 logits of one chunk at a "
                                   "time)", "JAX", nanochat=False, positive=True, resume=FREE)
+    compilation_cache: str | None = setting(None, COMPILATION_CACHE_HELP, "JAX", nanochat=False, resume=FREE)
     # library callers only (the benchmarks): None is bfloat16 on accelerators, float32 on CPU
     compute_dtype: str | None = setting(None, "compute dtype of the model", "JAX", nanochat=False, cli=False,
                                         resume=DTYPE)
