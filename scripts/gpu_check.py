@@ -11,9 +11,10 @@ time; exit 1 if the step does not compile or its peak is above XLA's pool:
 
     python -m scripts.gpu_check --compile-only [--devices 1 8] [--depth 20 --device-batch-size 32 ...]
 
-and the same for a TPU slice (the `tpu` extra: libtpu; splash attention's kernels, peak against the chip's HBM):
+and the same for a TPU slice (the `tpu` extra: libtpu; splash attention's kernels, peak against the chip's HBM,
+and XLA:TPU's predicted step time, tokens/s per chip and MFU, from its cost model: jaxchat.compiled.tpu_cost):
 
-    python -m scripts.gpu_check --compile-only --target v6e:2x4 [--depth 20 --device-batch-size 16 ...]
+    JAX_PLATFORMS=cpu python -m scripts.gpu_check --compile-only --target v6e:2x4 [--depth 20 --device-batch-size 16 ...]
 
 Every flag of scripts.train (jaxchat.train.settings) is a flag of --compile-only (--remat, --window-pattern, ...).
 The report (JSON) and the optimised HLO files beside it go to --json, by default under
@@ -404,6 +405,24 @@ def print_compile_reports(reports: list[dict]) -> None:
         if "zero1_minimum_gib" in r:
             print(f"{r['devices']} devices: ZeRO-1's minimum {r['zero1_minimum_gib']:.3f} GiB; this step moves "
                   f"{r['moved_over_minimum']:.2f}x that")
+        if "predicted" in r:
+            print_prediction(r)
+
+
+def print_prediction(report: dict) -> None:
+    """XLA:TPU's predicted step (jaxchat.compiled.tpu_cost), with what its cost model does not see."""
+    p = report["predicted"]
+    moved = next(row["moved_gib"] for row in report["collectives"] if row["kind"] == "all")
+    unknown = [name for name, trips in p["loops"] if trips is None]
+    print(f"\nXLA:TPU's prediction, not a measurement on a TPU: step {p['step_s'] * 1e3:.1f} ms = "
+          f"{p['xla_s'] * 1e3:.1f} ms of its cost model's cycles at {p['clock_hz'] / 1e9:.2f} GHz (loops times "
+          f"their trip counts) + {p['splash_s'] * 1e3:.1f} ms of splash kernels, which it prices at 0: their "
+          f"FLOPs at an assumed {p['splash_efficiency']:.0%} of the chip's peak")
+    print(f"  {p['tok_per_s_per_chip']:,.0f} tok/s per chip, MFU {p['mfu']:.1%} of "
+          f"{p['peak_flops_per_chip'] / 1e12:.0f} TFLOP/s bf16 per chip")
+    print(f"  not priced (executions): {', '.join(f'{k} {v}' for k, v in p['unpriced'].items()) or 'nothing'}; "
+          f"the collectives move {moved:.3f} GiB per device, their time is not in the step"
+          + (f"; loops of unknown trip count, counted once: {', '.join(unknown)}" if unknown else ""))
 
 
 def run_compile_only(args) -> int:

@@ -4,10 +4,14 @@ tpu_plugin: skipped without libtpu; .ci/run runs them once it has installed the 
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from jaxchat.compiled.compile_only import CompileOnlyError, TPU_HBM_BYTES, check_target, compile_for_target
+from jaxchat.model.loss import DEFAULT_CHUNK_LEN
 from jaxchat.train.run import RunSettings
 from scripts import gpu_check
 
@@ -25,6 +29,10 @@ def test_a_d2_step_compiles_for_a_v6e_8_with_splash_kernels():
     assert 0 < report["memory_gib"]["peak"] < report["pool_gib"]
     kinds = {c["kind"] for c in report["collectives"]}
     assert {"reduce-scatter", "all-gather"} <= kinds  # ZeRO-1: gradients scattered, parameters gathered
+    predicted = report["predicted"]  # XLA:TPU's cost model, read by jaxchat.compiled.tpu_cost
+    assert 0 < predicted["xla_s"] < predicted["step_s"] < 1 and 0 < predicted["mfu"] < 1
+    assert {trips for _, trips in predicted["loops"]} == {1024 // DEFAULT_CHUNK_LEN}  # the loss head's chunks
+    assert predicted["unpriced"]["tpu_custom_call splash_mqa_fwd_residuals"] == 2
 
 
 @pytest.mark.tpu_plugin
@@ -49,6 +57,56 @@ def test_a_step_beyond_the_chips_memory_fails_naming_its_configuration(tmp_path,
     err = capsys.readouterr().err
     assert "did not compile: StepDidNotCompile: d2 T1024 B512 V65536 SSSL remat=" in err
     assert "RESOURCE_EXHAUSTED" in err
+
+
+@pytest.mark.tpu_plugin
+def test_the_prediction_multiplies_the_accumulation_loop():
+    """Four micro-steps against one, as the run compiles them: the micro-steps' cycles four times, the
+    optimizer's once, so the predicted step grows by 2-4x, and the loop's trip count is read as 4."""
+    import dataclasses
+
+    one, four = (compile_for_target(dataclasses.replace(D2, total_batch_size=n * 2 * 1024 * 8), 8192, None,
+                                    target="v6e:2x4", accumulate=True)["predicted"] for n in (1, 4))
+    assert 4 in [trips for _, trips in four["loops"]]
+    assert 2 < four["xla_s"] / one["xla_s"] < 4
+    assert four["unpriced"]["tpu_custom_call splash_mqa_fwd_residuals"] == 4 * 2
+
+
+@pytest.mark.tpu_plugin
+def test_the_command_line_starts_quietly_and_prints_the_prediction(tmp_path):
+    """libtpu's warnings about TPU_ACCELERATOR_TYPE and TPU_WORKER_HOSTNAMES (printed by its C++ on every
+    load off a TPU VM) are answered by jaxchat.compiled.compile_only.tpu_devices: none reaches stderr."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES")}
+    done = subprocess.run([sys.executable, "-m", "scripts.gpu_check", "--compile-only", "--target", "v6e:2x4",
+                           "--depth", "2", "--max-seq-len", "1024", "--device-batch-size", "2", "--vocab-size", "8192",
+                           "--json", str(tmp_path / "report.json")], env={**env, "JAX_PLATFORMS": "cpu"},
+                          capture_output=True, text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 0, done.stderr
+    for warning in ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "could not determine"):
+        assert warning not in done.stderr
+    assert "XLA:TPU's prediction, not a measurement on a TPU: step" in done.stdout
+    assert "tok/s per chip, MFU" in done.stdout
+
+
+@pytest.mark.tpu_plugin
+@pytest.mark.parametrize("chip, topology", [("v5e", "2x4"), ("v6e", "2x4")])
+def test_the_clock_puts_a_large_matmul_just_under_the_chips_peak(chip, topology):
+    """jaxchat.compiled.tpu_cost.TPU_CLOCK_HZ against the cost model: its cycles for a 16384^3 bf16 matmul at
+    that clock take longer than the chip's bf16 peak allows, and not 1.5x longer (a wrong clock would miss)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    from jaxchat.common import peak_flops_per_device
+    from jaxchat.compiled.compile_only import tpu_devices
+    from jaxchat.compiled.tpu_cost import TPU_CLOCK_HZ, step_cycles
+
+    device = tpu_devices(f"{chip}:{topology}")[0]
+    n = 16384
+    a = jax.ShapeDtypeStruct((n, n), jnp.bfloat16, sharding=SingleDeviceSharding(device))
+    hlo = jax.jit(lambda x, y: x @ y).trace(a, a).lower().compile().as_text()
+    at_peak = 2 * n**3 / peak_flops_per_device(device)
+    assert 1 < step_cycles(hlo).cycles / TPU_CLOCK_HZ[chip] / at_peak < 1.5
 
 
 def gpu_check_args(tmp_path, target: str, *flags: str, accumulate: bool = False):

@@ -16,6 +16,7 @@ so the memory and the program are real and speed is not measured this way.
 
 import contextlib
 import dataclasses
+import math
 import os
 import re
 import tempfile
@@ -57,6 +58,15 @@ def check_target(target: str) -> None:
                      f"v5p:2x2x1, v4:2x2x1 (chips: {', '.join(TPU_HBM_BYTES)})")
 
 
+def accelerator_type(target: str) -> str:
+    """Cloud TPU's name of a slice ('v6e:2x4' -> 'v6e-8'): v5e and v6e count chips, v4 and v5p TensorCores
+    (two per chip); v5e's is 'v5litepod'."""
+    chip, _, topology = target.partition(":")
+    chips = math.prod(int(n) for n in topology.split("x"))
+    names = {"v4": f"v4-{2 * chips}", "v5p": f"v5p-{2 * chips}", "v5e": f"v5litepod-{chips}"}
+    return names.get(chip, f"{chip}-{chips}")
+
+
 def tpu_devices(target: str) -> list:
     """The compile-only chips of a TPU slice (every host's). Raises CompileOnlyError without libtpu."""
     try:
@@ -69,6 +79,13 @@ def tpu_devices(target: str) -> list:
     # libtpu takes a lock file for the TPU it would drive; compiling uses no TPU, so two compilations (two
     # recipes side by side, a test beside another) need not wait for each other
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # Loading, libtpu asks the machine which TPU it is and which hosts its slice has, and off a TPU VM warns on
+    # stderr that it could not tell: answered here with the target's Cloud name and this host, read once per
+    # process when libtpu loads. The name only has to be one libtpu knows ('bogus' still warns); the devices
+    # are the topology's whatever it says (v6e-8, then v5e:4x8 in one process: 32 v5e chips). A TPU VM's own
+    # values, where set, stay.
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", accelerator_type(target))
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     return list(topologies.get_topology_desc(platform="tpu", topology_name=target).devices)
 
 
@@ -208,6 +225,20 @@ def compile_setup(target: str, num_devices: int | None):
             gpu_compiler_options())
 
 
+def predicted_step(hlo: str, target: str, run: Run, devices: list) -> dict:
+    """XLA:TPU's prediction for the compiled step of a run (jaxchat.compiled.tpu_cost.predict_step): its
+    tokens per step are its micro-steps' (one micro-batch per device unless accumulated)."""
+    from jaxchat.common import peak_flops_per_device
+    from jaxchat.compiled.tpu_cost import predict_step
+    from jaxchat.model.gpt import attention_flops_per_token
+
+    micro_batch = run.settings.device_batch_size * run.settings.max_seq_len  # tokens of one device
+    return predict_step(hlo, target.split(":")[0], devices=len(devices),
+                        tokens_per_step=run.total_batch_size, flops_per_token=run.flops_per_token,
+                        attention_matmul_flops=attention_flops_per_token(run.config) / 6 / run.config.n_layer
+                        * micro_batch, peak_flops_per_chip=peak_flops_per_device(devices[0]))
+
+
 def compile_for_target(settings: RunSettings, vocab_size: int, num_devices: int | None, *, target: str = H100,
                        compiler_options: dict | None = None, accumulate: bool = False) -> dict:
     """The real train step of these settings (one micro-step, device_batch_size rows per device; with
@@ -221,6 +252,8 @@ def compile_for_target(settings: RunSettings, vocab_size: int, num_devices: int 
     kernels      the custom-call census (jaxchat.compiled.hlo.custom_call_census)
     collectives  per kind, the bytes each device moves, against ZeRO-1's minimum
     times        tracing and lowering, then XLA's compilation, in seconds
+    predicted    on a TPU target, XLA:TPU's predicted step time, tokens/s per chip and MFU
+                 (jaxchat.compiled.tpu_cost.predict_step): the compiler's cost model, not a measurement
     and 'hlo', the optimised module's text."""
     target = GPU_TARGETS.get(target, target)
     resolve, devices, pool, tracing, options = compile_setup(target, num_devices)
@@ -257,6 +290,8 @@ def compile_for_target(settings: RunSettings, vocab_size: int, num_devices: int 
               "pool_gib": pool / GIB, "peak_share_of_pool": peak / pool,
               "kernels": custom_call_census(hlo), "collectives": collective_summary(found),
               "lower_s": lower_s, "compile_s": compile_s, "hlo": hlo}
+    if is_tpu_target(target):
+        result["predicted"] = predicted_step(hlo, target, run, devices)
     if num_devices > 1:
         minimum = zero1_minimum_bytes(run.state.params, num_devices)
         result.update(zero1_minimum_gib=minimum / GIB,

@@ -79,15 +79,21 @@ def parse_hlo(text: str) -> dict[str, HloInstruction]:
     instructions = {}
     for match in re.finditer(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$", text, re.MULTILINE):
         name, result_type, opcode, rest = match.groups()
-        depth, end = 1, len(rest)
-        for i, char in enumerate(rest):  # the operand list ends at the matching parenthesis
-            depth += {"(": 1, ")": -1}.get(char, 0)
-            if depth == 0:
-                end = i
-                break
-        instructions[name] = HloInstruction(opcode, _arrays(result_type), re.findall(r"%([\w.\-]+)", rest[:end]),
-                                            rest[end + 1:], result_type)
+        operands, attributes = split_operands(rest)
+        instructions[name] = HloInstruction(opcode, _arrays(result_type), operands, attributes, result_type)
     return instructions
+
+
+def split_operands(rest: str) -> tuple[list[str], str]:
+    """(operand names, what follows the list) of an instruction's text after its opcode's '(': the operand
+    list ends at the matching parenthesis."""
+    depth, end = 1, len(rest)
+    for i, char in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0:
+            end = i
+            break
+    return re.findall(r"%([\w.\-]+)", rest[:end]), rest[end + 1:]
 
 
 def replica_group_size(attributes: str, num_devices: int) -> int:

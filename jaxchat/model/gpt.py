@@ -593,8 +593,13 @@ def estimate_flops(config: GPTConfig) -> int:
     + 12 x heads x head_dim x window for each layer's attention scores and values."""
     model = abstract_model(config)
     matmul_params = sum(math.prod(node.kernel.shape) for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Linear))
-    attention = sum(12 * config.n_head * config.head_dim * min(w, config.sequence_len) for w in config.window_sizes())
-    return 6 * matmul_params + attention
+    return 6 * matmul_params + attention_flops_per_token(config)
+
+
+def attention_flops_per_token(config: GPTConfig) -> int:
+    """estimate_flops' attention term: forward and backward of the scores and values, 12 x heads x head_dim
+    x window per layer (each token counted against its whole window, as nanochat does)."""
+    return sum(12 * config.n_head * config.head_dim * min(w, config.sequence_len) for w in config.window_sizes())
 
 
 def count_scaling_params(params: nnx.State, config: GPTConfig) -> int:
