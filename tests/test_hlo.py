@@ -45,6 +45,25 @@ def test_collectives_of_the_h100_step():
                             ("all-gather", N, stack, ring("all-gather", stack))])
 
 
+# XLA:TPU's text for one ZeRO-1 all-gather on a v5e-8 (d20, bdcc030; trimmed to the fields read here): the chain of
+# an async collective fusion prints the same all-gather in its first fusion (flag_start -1), in each continuation
+# that overlaps it with Muon's matmuls, and in its last fusion. Then a reduce-scatter outside any chain.
+V5E_CHAIN = """
+  %all-gather.1 = f32[1280,65536]{1,0:T(8,128)} all-gather(%param_0.1), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true, backend_config={"flag_configs":[],"async_collective_fusion_config":{"flag_start":"-1","flag_end":"-1"}}
+  %all-gather.23 = f32[1280,65536]{1,0:T(8,128)} all-gather(%param_0.18142), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true, backend_config={"flag_configs":[],"async_collective_fusion_config":{"flag_start":"2","flag_end":"8"}}
+  %all-gather.24 = f32[1280,65536]{1,0:T(8,128)} all-gather(%param_0.18143), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true, backend_config={"flag_configs":[],"async_collective_fusion_config":{"flag_start":"2","flag_end":"8"}}
+  %all-gather.25 = f32[1280,65536]{1,0:T(8,128)} all-gather(%param_0.18144), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true, backend_config={"flag_configs":[],"async_collective_fusion_config":{"flag_start":"2","flag_end":"8"}}
+  %reduce-scatter.3 = f32[160,65536]{1,0:T(8,128)} reduce-scatter(%fusion.9), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, to_apply=%add
+"""
+
+
+def test_a_tpu_async_collective_fusion_chain_is_one_transfer():
+    lm_head = 1280 * 65536 * 4
+    found = sorted((c["kind"], c["group"], c["bytes"], c["moved"]) for c in hlo_collectives(V5E_CHAIN, N))
+    assert found == sorted([("all-gather", N, lm_head, ring("all-gather", lm_head)),
+                            ("reduce-scatter", N, lm_head, ring("reduce-scatter", lm_head))])
+
+
 def test_custom_call_census_of_the_h100_step():
     census = custom_call_census(H100_CUSTOM_CALLS)
     assert census["attention"] == [{"direction": "backward", "window": 0, "count": 1},

@@ -7,6 +7,10 @@ XLA:GPU runs collectives asynchronously and prints them in two spellings:
     %rs = ((f32[80,1280,1280]), f32[10,1280,1280]) reduce-scatter-start(%x), ...   (as_text())
     %rs = ((f32[80,1280,1280]), f32[10,1280,1280]) async-start(%x), calls=%wrapped (XLA's dump files)
 with the plain op inside the wrapped computation in the second. Either way each collective counts once.
+XLA:TPU (seen on v5e) may spread one asynchronous collective over a chain of fusions that overlap it with other
+work (Muon's matmuls): the same all-gather op is printed in each fusion of the chain, the first with
+"async_collective_fusion_config":{"flag_start":"-1",...} and the continuations with flag_start >= 0. The chain is
+one transfer: only its first counts.
 """
 
 import collections
@@ -15,6 +19,8 @@ import math
 import re
 
 COLLECTIVE_KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+# A continuation of an XLA:TPU async collective fusion's chain (module doc): not another transfer
+TPU_CONTINUATION = re.compile(r'"async_collective_fusion_config":\{"flag_start":"(?!-1")')
 SLICED_ALL_REDUCE = "reduce-scatter*"  # an all-reduce each device slices to its 1/N: XLA:GPU makes it a reduce-scatter
 # cuDNN's fused attention (XLA's custom-call targets __cudnn$fmha...): the backward's target says so
 CUDNN_ATTENTION_PREFIX = "__cudnn$fmha"
@@ -144,7 +150,8 @@ def hlo_collectives(text: str, num_devices: int) -> list[dict]:
     plain op in the wrapped computation: that one counts, the async-start does not.
     An all-reduce of which each device only uses its 1/n slice (how the SPMD partitioner writes a
     reduce-scatter, before XLA:GPU's reduce-scatter creator rewrites it) counts as a reduce-scatter,
-    kind SLICED_ALL_REDUCE. A collective inside a loop body counts once, whatever the trip count."""
+    kind SLICED_ALL_REDUCE. A collective inside a loop body counts once, whatever the trip count; a chain of
+    XLA:TPU's async collective fusion counts once, by its first fusion (module doc)."""
     instructions = parse_hlo(text)
     users = collections.defaultdict(list)
     for name, inst in instructions.items():
@@ -153,7 +160,7 @@ def hlo_collectives(text: str, num_devices: int) -> list[dict]:
     found = []
     for name, inst in instructions.items():
         kind = inst.opcode.removesuffix("-start")
-        if kind not in COLLECTIVE_KINDS:
+        if kind not in COLLECTIVE_KINDS or TPU_CONTINUATION.search(inst.attributes):
             continue
         size = sum(math.prod(shape) * dtype_bytes(dtype) for dtype, shape in inst.output_arrays())
         n = 1 if kind == "collective-permute" else replica_group_size(inst.attributes, num_devices)
