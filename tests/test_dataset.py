@@ -6,6 +6,7 @@ import http.server
 import io
 import json
 import os
+import shutil
 import socket
 import tempfile
 import threading
@@ -205,14 +206,18 @@ def test_the_commands_put_shards_into_a_bucket_and_leave_no_local_file(server, g
     dataset.main(["-n", "4", "-w", "2"])
     for name, body in server.files.items():
         assert storage.read_bytes(f"{gcs}/base_data/{name}") == body
-    dataset.main(["--builtin", "--data-dir", f"{gcs}/builtin"])
-    paths = list_parquet_files(f"{gcs}/builtin")
-    assert len(paths) >= 2 and paths[0].startswith(f"{gcs}/builtin/")
-    assert json.loads(storage.read_text(f"{gcs}/builtin/{CORPUS_INFO_FILE}"))["shards"] == len(paths)
-    assert f"in {gcs}/builtin" in capsys.readouterr().out
+    expected = write_text_corpus(tmp_path / "corpus")  # (outside TMPDIR's checks below: removed first)
+    built = f"{gcs}/from_text"
+    dataset.main(["--from-text", str(tmp_path / "corpus"), "--data-dir", built, "--chars-per-shard", "1500",
+                  "--docs-per-row-group", "3", "--max-doc-chars", "300"])
+    shutil.rmtree(tmp_path / "corpus")
+    paths = list_parquet_files(built)
+    assert len(paths) >= 3 and paths[0].startswith(f"{built}/")
+    assert json.loads(storage.read_text(f"{built}/{CORPUS_INFO_FILE}"))["shards"] == len(paths)
+    assert f"in {built}" in capsys.readouterr().out
     assert sorted(os.listdir(tmp_path)) == []  # each staged file removed once uploaded
-    val = list_row_groups("val", f"{gcs}/builtin")
-    assert {path for path, _ in val} == {paths[-1]} and all(read_row_group(*val[-1]))
+    rows = [(path, rg) for split in ("train", "val") for path, rg in list_row_groups(split, built)]
+    assert [doc for row in rows for doc in read_row_group(*row)] == expected  # every document, in order
 
 
 def test_a_failed_first_attempt_is_retried(server, tmp_path):
