@@ -17,12 +17,14 @@ Other schemes (s3://, ...) are refused in one line (check_supported): Orbax 0.12
 folder `s3:/b`.
 """
 
+import contextlib
 import functools
 import os
 import posixpath
 import shutil
 import tempfile
 import uuid
+from collections.abc import Iterator
 from typing import IO
 
 GCS_PREFIX = "gs://"
@@ -156,14 +158,8 @@ def write_bytes(path: str, data: bytes) -> None:
     if is_url(path):
         _on_gcs("pipe_file", path, data)
         return
-    staged = staging_path(path)
-    try:
-        with open(staged, "wb") as f:
-            f.write(data)
-        publish(staged, path)
-    finally:
-        if os.path.exists(staged):  # a write that failed (disk full): nothing left behind
-            os.remove(staged)
+    with staged_file(path) as staged, open(staged, "wb") as f:
+        f.write(data)
 
 
 def write_text(path: str, text: str) -> None:
@@ -181,22 +177,23 @@ def append_text(path: str, text: str) -> None:
         f.write(text)
 
 
-def staging_path(path: str) -> str:
-    """A new local name at which to write what becomes path (publish): beside path on a disk, where the rename is
-    atomic; in the local temporary folder for a bucket. Unique, so writers on threads never share one; made by
-    open() like any file, so the file gets the usual mode (mkstemp's is 0600)."""
+@contextlib.contextmanager
+def staged_file(path: str) -> Iterator[str]:
+    """A new local file name to write what becomes path: when the block ends without an error, the file is renamed
+    over path on a disk (beside it, so the rename is atomic) or uploaded in one piece to a bucket (from the local
+    temporary folder: an object is visible whole or not at all); either way nothing is left behind. Unique, so
+    writers on threads never share one; the file is made by the caller's open(), with the usual mode."""
     name = f"{posixpath.basename(str(path))}.{uuid.uuid4().hex[:12]}.tmp"
-    return os.path.join(tempfile.gettempdir(), name) if is_url(path) else os.path.join(os.path.dirname(path), name)
-
-
-def publish(staged: str, path: str) -> None:
-    """A finished local file (staging_path's) becomes path: renamed on a disk; uploaded in one piece to a bucket
-    (an object is visible whole or not at all), then removed here."""
-    if not is_url(path):
-        os.replace(staged, path)
-        return
-    _on_gcs("put_file", staged, path)
-    os.remove(staged)
+    staged = os.path.join(tempfile.gettempdir() if is_url(path) else os.path.dirname(path), name)
+    try:
+        yield staged
+        if is_url(path):
+            _on_gcs("put_file", staged, path)
+        else:
+            os.replace(staged, path)
+    finally:
+        if os.path.exists(staged):  # uploaded, or a write that failed (disk full, a check refused it)
+            os.remove(staged)
 
 
 def move(source: str, target: str) -> None:

@@ -100,20 +100,16 @@ def fetch(url: str, path: str, *, check: Callable[[str], object] = lambda path: 
 
     for attempt in range(1, max_attempts + 1):
         done = 0  # this attempt's bytes: a retry starts the file again
-        tmp_path = storage.staging_path(path)  # checked on the local disk before a bucket gets it
         try:
-            with open(tmp_path, "wb") as f:
-                _get(url, f, timeout_s, count)
-            check(tmp_path)
-            storage.publish(tmp_path, path)
+            with storage.staged_file(path) as tmp_path:  # checked on the local disk before a bucket gets it
+                with open(tmp_path, "wb") as f:
+                    _get(url, f, timeout_s, count)
+                check(tmp_path)
             if progress:
                 progress.close(f"{label}: {done / 1e6:,.1f} MB downloaded in {time.monotonic() - start:.1f}s")
             return
         except (OSError, ValueError, http.client.HTTPException) as e:  # HTTPException: not an OSError
             error = e
-        finally:
-            if os.path.exists(tmp_path):
-                os.remove(tmp_path)
         if (offline := _offline_reason(error)) is not None:
             if progress:
                 progress.close(f"{label}: failed")

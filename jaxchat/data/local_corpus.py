@@ -157,9 +157,8 @@ def write_shards(make_documents: Callable[[], Iterable[str]], data_dir: str | No
     def flush(docs: list[str]) -> None:
         path = storage.join(data_dir, shard_filename(len(paths)))
         table = pa.table({"text": pa.array(docs, type=pa.string())})
-        staged = storage.staging_path(path)  # on the local disk: pyarrow writes it, then a bucket gets it whole
-        pq.write_table(table, staged, row_group_size=docs_per_row_group, compression="zstd")
-        storage.publish(staged, path)
+        with storage.staged_file(path) as staged:  # on the local disk: pyarrow writes it, then a bucket gets it whole
+            pq.write_table(table, staged, row_group_size=docs_per_row_group, compression="zstd")
         paths.append(path)
 
     # A document goes to the shard its middle character falls in, so shards hold equal shares of the text;

@@ -122,8 +122,7 @@ def open_shard(path: str) -> Iterator["pq.ParquetFile"]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    with contextlib.ExitStack() as stack:
-        source = stack.enter_context(storage.open_file(path, "rb")) if storage.is_url(path) else path
+    with storage.open_file(path, "rb") if storage.is_url(path) else contextlib.nullcontext(path) as source:
         try:
             parquet_file = pq.ParquetFile(source)
         except (pa.ArrowException, OSError) as e:
