@@ -402,6 +402,11 @@ def print_compile_reports(reports: list[dict]) -> None:
     print(format_table([{"devices": r["devices"], **row} for r in reports for row in r["collectives"]],
                        COLLECTIVE_COLUMNS))
     for r in reports:
+        if "remat_auto" in r:
+            auto = r["remat_auto"]
+            print(f"\non {r['devices']} device(s), {auto['report']}\n  (jaxchat's estimate, made for GPUs, chose "
+                  f"{auto['estimate_chose']}; the times are each candidate's tracing and compiling)")
+    for r in reports:
         if "zero1_minimum_gib" in r:
             print(f"{r['devices']} devices: ZeRO-1's minimum {r['zero1_minimum_gib']:.3f} GiB; this step moves "
                   f"{r['moved_over_minimum']:.2f}x that")

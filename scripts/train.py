@@ -193,6 +193,10 @@ def build(settings: RunSettings, gpu_defaults_set: list[str] | None) -> tuple[Ru
         tokenizer, token_bytes = get_tokenizer(), get_token_bytes()
     except (FileNotFoundError, TokenizerError) as e:
         fail(str(e))
+    if settings.remat == "auto" and device.platform in ("gpu", "tpu"):  # compiled by XLA, not estimated
+        from jaxchat.compiled.remat_choice import resolve_remat_for_run
+
+        settings = resolve_remat_for_run(settings, tokenizer.get_vocab_size(), layout, print0)
     run = build_run(settings, tokenizer.get_vocab_size(), layout=layout, print_fn=print0)
     return run, tokenizer, token_bytes
 

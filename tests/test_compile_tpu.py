@@ -2,6 +2,7 @@
 whole pipeline with splash attention's Mosaic kernels, the memory per chip and the collectives. Marked
 tpu_plugin: skipped without libtpu; .ci/run runs them once it has installed the tpu extra."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -15,12 +16,22 @@ from jaxchat.model.loss import DEFAULT_CHUNK_LEN
 from jaxchat.train.run import RunSettings
 from scripts import gpu_check
 
-D2 = RunSettings(depth=2, max_seq_len=1024, device_batch_size=2)  # windows 512 and 1024: two tiles of 512
+# windows 512 and 1024: two tiles of 512; remat none, one compile (auto compiles its candidates: its own test)
+D2 = RunSettings(depth=2, max_seq_len=1024, device_batch_size=2, remat="none")
 
 
 @pytest.mark.tpu_plugin
-def test_a_d2_step_compiles_for_a_v6e_8_with_splash_kernels():
-    report = compile_for_target(D2, 8192, None, target="v6e:2x4")
+def test_a_d2_step_compiles_for_a_v6e_8_with_splash_kernels_and_remat_auto_compiles_its_candidates():
+    """--remat auto compiles block, dots, then none (each keeps more), predicts each, and runs the fastest that
+    fits: none, which recomputes nothing, where all three take 1% of the chip."""
+    report = compile_for_target(dataclasses.replace(D2, remat="auto"), 8192, None, target="v6e:2x4")
+    auto = report["remat_auto"]
+    assert [c["policy"] for c in auto["candidates"]] == ["block", "dots", "none"]
+    assert all(c["fits"] and c["predicted_s"] > 0 for c in auto["candidates"])
+    by_prediction = sorted(auto["candidates"], key=lambda c: c["predicted_s"])
+    assert auto["chosen"] == by_prediction[0]["policy"] == "none" and " remat=none (auto) " in report["config"]
+    assert by_prediction[-1]["policy"] == "block"  # the cost model prices what block recomputes
+    assert report["memory_gib"]["peak"] == next(c["peak_gib"] for c in auto["candidates"] if c["policy"] == "none")
     assert report["devices"] == 8 and report["pool_gib"] == TPU_HBM_BYTES["v6e"] / 2**30
     # per layer splash's forward and its two backward kernels (dq, dkv), none of cuDNN's
     assert report["kernels"]["splash"] == {"splash_mqa_dkv_no_residuals": 2, "splash_mqa_dq_no_residuals": 2,
@@ -50,12 +61,14 @@ def test_the_command_line_reports_a_multi_host_slice(tmp_path, capsys):
 
 @pytest.mark.tpu_plugin
 def test_a_step_beyond_the_chips_memory_fails_naming_its_configuration(tmp_path, capsys):
-    """XLA:TPU's out-of-memory message, with the remat policy that --remat auto chose (none: nothing fits)."""
+    """XLA:TPU's out-of-memory message for each policy --remat auto compiled: block, which keeps least, is
+    refused, so the rest (which keep more) are not tried."""
     args = gpu_check_args(tmp_path, "v5e:2x4", "--device-batch-size", "512", "--remat", "auto")
     args.vocab_size = 65536  # 512 x 1024 rows: 17.6 GiB of temporaries against v5e's 15.75 GiB
     assert gpu_check.run_compile_only(args) == 1
     err = capsys.readouterr().err
-    assert "did not compile: StepDidNotCompile: d2 T1024 B512 V65536 SSSL remat=" in err
+    assert ("did not compile: StepDidNotCompile: d2 T1024 B512 V65536 SSSL remat=auto x8 v5e:2x4: XLA refused every "
+            "policy: block: RESOURCE_EXHAUSTED") in err
     assert "RESOURCE_EXHAUSTED" in err
 
 
@@ -63,8 +76,6 @@ def test_a_step_beyond_the_chips_memory_fails_naming_its_configuration(tmp_path,
 def test_the_prediction_multiplies_the_accumulation_loop():
     """Four micro-steps against one, as the run compiles them: the micro-steps' cycles four times, the
     optimizer's once, so the predicted step grows by 2-4x, and the loop's trip count is read as 4."""
-    import dataclasses
-
     one, four = (compile_for_target(dataclasses.replace(D2, total_batch_size=n * 2 * 1024 * 8), 8192, None,
                                     target="v6e:2x4", accumulate=True)["predicted"] for n in (1, 4))
     assert 4 in [trips for _, trips in four["loops"]]
@@ -79,6 +90,7 @@ def test_the_command_line_starts_quietly_and_prints_the_prediction(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES")}
     done = subprocess.run([sys.executable, "-m", "scripts.gpu_check", "--compile-only", "--target", "v6e:2x4",
                            "--depth", "2", "--max-seq-len", "1024", "--device-batch-size", "2", "--vocab-size", "8192",
+                           "--remat", "none",
                            "--json", str(tmp_path / "report.json")], env={**env, "JAX_PLATFORMS": "cpu"},
                           capture_output=True, text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert done.returncode == 0, done.stderr
@@ -117,7 +129,8 @@ def gpu_check_args(tmp_path, target: str, *flags: str, accumulate: bool = False)
 
     parser = argparse.ArgumentParser()
     add_setting_flags(parser)
-    args = parser.parse_args(["--depth", "2", "--max-seq-len", "1024", "--device-batch-size", "2", *flags])
+    args = parser.parse_args(["--depth", "2", "--max-seq-len", "1024", "--device-batch-size", "2", "--remat", "none",
+                              *flags])
     args.target, args.vocab_size, args.devices, args.json = target, 8192, [1], str(tmp_path / "report.json")
     args.accumulate = accumulate
     return args
@@ -139,7 +152,6 @@ def test_targets_are_named_and_need_libtpu():
 def test_evaluation_and_fsdp_run_splash_per_device_on_a_tpu():
     """XLA cannot partition a Mosaic kernel: a jit over sharded rows (evaluation, --fsdp's step) failed to
     lower with 'wrap the call in a shard_map' until splash ran in one over the rows (jaxchat.distributed.mesh.rows_partitioned)."""
-    import dataclasses
 
     import jax
     import jax.numpy as jnp

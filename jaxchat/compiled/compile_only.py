@@ -21,6 +21,7 @@ import os
 import re
 import tempfile
 import time
+from collections.abc import Callable
 
 import jax
 
@@ -28,7 +29,9 @@ from jaxchat.model.footprint import per_device_bytes
 from jaxchat.model.gpt import count_params
 from jaxchat.compiled.hlo import collective_summary, custom_call_census, hlo_collectives
 from jaxchat.distributed.mesh import make_mesh
-from jaxchat.train.run import Run, RunSettings, abstract_batch, build_run
+from jaxchat.compiled.remat_choice import compiled_peak_bytes, report_choice, resolve_remat_by_compiling
+from jaxchat.compiled.tpu_cost import predict_run_step
+from jaxchat.train.run import Run, RunSettings, abstract_step_arguments, build_run, make_layout
 from jaxchat.distributed.runtime import GPU_MEMORY_FRACTION, cuda_plugin_installed, gpu_compiler_options
 
 TARGETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
@@ -160,25 +163,22 @@ def cudnn_without_gpu():
         fused.check_cudnn_version, fused.check_compute_capability = saved
 
 
-def with_shardings(tree, shardings):
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+def abstract_step_settings(settings: RunSettings, world: int, accumulate: bool = False) -> RunSettings:
+    """The settings of a step compiled on its own: world devices, one micro-batch per step, or with accumulate
+    the run's own gradient accumulation (its --total-batch-size); a horizon that no flag can make too short."""
+    one_micro_batch = settings.device_batch_size * settings.max_seq_len * world
+    return dataclasses.replace(settings, num_iterations=1000, num_devices=world,
+                               total_batch_size=settings.total_batch_size if accumulate else one_micro_batch)
 
 
 def abstract_step(settings: RunSettings, vocab_size: int, mesh, *, memory_budget: tuple[int, str] | None = None,
                   accumulate: bool = False) -> tuple[Run, object, tuple]:
-    """The run of these settings, its jitted step and the step's abstract arguments (ShapeDtypeStructs
-    carrying their shardings): one micro-batch per step, or with accumulate the run's own gradient
-    accumulation (its --total-batch-size: the scan over micro-batches and its float32 gradient sum).
-    memory_budget: (bytes, where from) of the device that --remat auto decides for, where it is not
-    this machine's (build_run)."""
-    world = mesh.devices.size
-    one_micro_batch = settings.device_batch_size * settings.max_seq_len * world
-    settings = dataclasses.replace(settings, num_iterations=1000, num_devices=world,
-                                   total_batch_size=settings.total_batch_size if accumulate else one_micro_batch)
+    """The run of these settings (abstract_step_settings), its jitted step and the step's abstract arguments
+    (ShapeDtypeStructs carrying their shardings). memory_budget: (bytes, where from) of the device that
+    --remat auto's estimate decides for, where it is not this machine's (build_run)."""
+    settings = abstract_step_settings(settings, mesh.devices.size, accumulate)
     run = build_run(settings, vocab_size, mesh=mesh, memory_budget=memory_budget)
-    args = (with_shardings(run.state.params, run.state.param_shardings),
-            with_shardings(run.state.opt_state, run.state.opt_shardings), *abstract_batch(run))
-    return run, run.train_step(), args
+    return run, run.train_step(), abstract_step_arguments(run)
 
 
 def zero1_minimum_bytes(params, num_devices: int) -> float:
@@ -225,20 +225,6 @@ def compile_setup(target: str, num_devices: int | None):
             gpu_compiler_options())
 
 
-def predicted_step(hlo: str, target: str, run: Run, devices: list) -> dict:
-    """XLA:TPU's prediction for the compiled step of a run (jaxchat.compiled.tpu_cost.predict_step): its
-    tokens per step are its micro-steps' (one micro-batch per device unless accumulated)."""
-    from jaxchat.common import peak_flops_per_device
-    from jaxchat.compiled.tpu_cost import predict_step
-    from jaxchat.model.gpt import attention_flops_per_token
-
-    micro_batch = run.settings.device_batch_size * run.settings.max_seq_len  # tokens of one device
-    return predict_step(hlo, target.split(":")[0], devices=len(devices),
-                        tokens_per_step=run.total_batch_size, flops_per_token=run.flops_per_token,
-                        attention_matmul_flops=attention_flops_per_token(run.config) / 6 / run.config.n_layer
-                        * micro_batch, peak_flops_per_chip=peak_flops_per_device(devices[0]))
-
-
 def compile_for_target(settings: RunSettings, vocab_size: int, num_devices: int | None, *, target: str = H100,
                        compiler_options: dict | None = None, accumulate: bool = False) -> dict:
     """The real train step of these settings (one micro-step, device_batch_size rows per device; with
@@ -246,37 +232,71 @@ def compile_for_target(settings: RunSettings, vocab_size: int, num_devices: int 
     compiled for num_devices devices of the target (an H100) or for the chips of a TPU topology
     ('v6e:2x4'), with a GPU run's XLA options (jaxchat.distributed.runtime) on a GPU, updated by compiler_options
     (e.g. xla_dump_to). 'pool_gib' is what the program may use: XLA's pool of a GPU run, a TPU chip's HBM.
+    --remat auto compiles its candidates as a run on the target would (jaxchat.compiled.remat_choice).
     Returns its figures (GiB per device):
     memory       XLA's memory analysis: arguments, outputs, what they alias, temporaries, and the peak
                  (arguments + outputs - aliased + temporaries); the state's share of the arguments
     kernels      the custom-call census (jaxchat.compiled.hlo.custom_call_census)
     collectives  per kind, the bytes each device moves, against ZeRO-1's minimum
-    times        tracing and lowering, then XLA's compilation, in seconds
+    times        tracing and lowering, then XLA's compilation, in seconds (with auto: all its candidates)
     predicted    on a TPU target, XLA:TPU's predicted step time, tokens/s per chip and MFU
                  (jaxchat.compiled.tpu_cost.predict_step): the compiler's cost model, not a measurement
+    remat_auto   with --remat auto: the rule's report (remat_choice.report_choice), each candidate's peak and
+                 prediction, and what the GPU estimate would have chosen (jaxchat.model.footprint)
     and 'hlo', the optimised module's text."""
     target = GPU_TARGETS.get(target, target)
     resolve, devices, pool, tracing, options = compile_setup(target, num_devices)
     settings, num_devices = resolve(settings), len(devices)
+    options = {**options, **(compiler_options or {})}
     mesh = make_mesh(devices=devices)
+    budget = (pool, f"{target}'s memory")
+    def config(remat: str) -> str:  # what an error names: the configuration XLA refused
+        return (f"d{settings.depth} T{settings.max_seq_len} B{settings.device_batch_size} V{vocab_size} "
+                f"{settings.window_pattern} remat={remat} x{num_devices} {target}"
+                f"{' with accumulation' if accumulate else ''}")
+
     start = time.perf_counter()
     with tracing:
-        run, step, args = abstract_step(settings, vocab_size, mesh, memory_budget=(pool, f"{target}'s memory"),
-                                        accumulate=accumulate)
-        lowered = step.trace(*args).lower()
-    lower_s = time.perf_counter() - start
-    config = (f"d{settings.depth} T{settings.max_seq_len} B{settings.device_batch_size} V{vocab_size} "
-              f"{settings.window_pattern} remat={run.settings.remat} x{num_devices} {target}"
-              f"{f' accumulation {run.grad_accum_steps}' if accumulate else ''}")
-    start = time.perf_counter()
-    try:
-        compiled = lowered.compile(compiler_options={**options, **(compiler_options or {})})
-    except Exception as e:  # noqa: BLE001 -- XLA's own error (e.g. out of memory), with what was compiled
-        raise StepDidNotCompile(f"{config}: {type(e).__name__}: {e}") from e
-    compile_s = time.perf_counter() - start
+        if settings.remat == "auto":
+            run, compiled, remat_auto = _compile_auto(settings, vocab_size, mesh, budget, options, accumulate, config)
+            compile_s = lower_s = time.perf_counter() - start
+        else:
+            run, step, args = abstract_step(settings, vocab_size, mesh, memory_budget=budget, accumulate=accumulate)
+            lowered = step.trace(*args).lower()
+            lower_s = time.perf_counter() - start
+            start = time.perf_counter()
+            try:
+                compiled = lowered.compile(compiler_options=options)
+            except Exception as e:  # noqa: BLE001 -- XLA's own error (e.g. out of memory), with what was compiled
+                raise StepDidNotCompile(f"{config(settings.remat)}: {type(e).__name__}: {e}") from e
+            compile_s, remat_auto = time.perf_counter() - start, None
+    return _compiled_figures(run, compiled, devices, target, pool, remat_auto, lower_s, compile_s)
+
+
+def _compile_auto(settings: RunSettings, vocab_size: int, mesh, budget: tuple[int, str], options: dict,
+                  accumulate: bool, config: Callable[[str], str]):
+    """--remat auto by compiling (jaxchat.compiled.remat_choice): (the chosen run, its compiled step, the report)."""
+    step_settings = abstract_step_settings(settings, mesh.devices.size, accumulate)
+    estimate_chose = build_run(step_settings, vocab_size, mesh=mesh, memory_budget=budget).settings.remat
+    resolved, chosen, candidates = resolve_remat_by_compiling(step_settings, vocab_size,
+                                                              make_layout(step_settings, mesh), budget, options)
+    if chosen.compiled is None:  # XLA refused every candidate
+        raise StepDidNotCompile(f"{config('auto')}: XLA refused every policy: "
+                                + "; ".join(f"{c.policy}: {c.refusal}" for c in candidates))
+    report = {"chosen": resolved.remat, "fits": chosen.fits, "estimate_chose": estimate_chose,
+              "report": report_choice(chosen, candidates, budget),
+              "candidates": [{"policy": c.policy, "peak_gib": None if c.peak_bytes is None else c.peak_bytes / GIB,
+                              "fits": c.fits, "predicted_s": c.predicted_s, "compile_s": c.compile_s,
+                              "refusal": c.refusal} for c in candidates]}
+    return chosen.run, chosen.compiled, report
+
+
+def _compiled_figures(run: Run, compiled, devices: list, target: str, pool: int, remat_auto: dict | None,
+                      lower_s: float, compile_s: float) -> dict:
+    """compile_for_target's figures of the compiled step of a run."""
+    num_devices, settings = len(devices), run.settings
     analysis = compiled.memory_analysis()
-    peak = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
-            + analysis.temp_size_in_bytes)
+    peak = compiled_peak_bytes(compiled)
     state = run.state
     memory = {"arguments": analysis.argument_size_in_bytes / GIB, "outputs": analysis.output_size_in_bytes / GIB,
               "aliased": analysis.alias_size_in_bytes / GIB, "temporaries": analysis.temp_size_in_bytes / GIB,
@@ -285,13 +305,19 @@ def compile_for_target(settings: RunSettings, vocab_size: int, num_devices: int 
               "peak": peak / GIB}
     hlo = compiled.as_text()
     found = hlo_collectives(hlo, num_devices)
+    remat = f"{settings.remat} (auto)" if remat_auto is not None else settings.remat
+    accumulation = f" accumulation {run.grad_accum_steps}" if run.grad_accum_steps > 1 else ""
+    config = (f"d{settings.depth} T{settings.max_seq_len} B{settings.device_batch_size} V{run.config.vocab_size} "
+              f"{settings.window_pattern} remat={remat} x{num_devices} {target}{accumulation}")
     result = {"config": config,
               "devices": num_devices, "target": target, "memory_gib": memory,
               "pool_gib": pool / GIB, "peak_share_of_pool": peak / pool,
               "kernels": custom_call_census(hlo), "collectives": collective_summary(found),
               "lower_s": lower_s, "compile_s": compile_s, "hlo": hlo}
+    if remat_auto is not None:
+        result["remat_auto"] = remat_auto
     if is_tpu_target(target):
-        result["predicted"] = predicted_step(hlo, target, run, devices)
+        result["predicted"] = predict_run_step(hlo, run, devices)
     if num_devices > 1:
         minimum = zero1_minimum_bytes(run.state.params, num_devices)
         result.update(zero1_minimum_gib=minimum / GIB,

@@ -27,7 +27,10 @@ import dataclasses
 import math
 import re
 
+from jaxchat.common import peak_flops_per_device
 from jaxchat.compiled.hlo import split_operands
+from jaxchat.model.gpt import attention_flops_per_token
+from jaxchat.train.run import Run
 
 # The clock the cost model's cycles run at, per chip: the bf16 peak over the MXUs' FLOPs per cycle (2 per cell
 # of each MXU) where Google's docs give the MXUs: v5e one TensorCore of 4 MXUs of 128x128 (197 TF at 1.5 GHz),
@@ -38,6 +41,8 @@ from jaxchat.compiled.hlo import split_operands
 # (v4, v5e, v5p) and 82% (v6e) of the peak, an elementwise pass over 2 GiB at 72-81% of the docs' HBM
 # bandwidth (v6e 1638, v5e 819, v5p 2765, v4 1200 GB/s per chip): a clock off by 2x puts one past 100%.
 TPU_CLOCK_HZ = {"v4": 1.05e9, "v5e": 1.5e9, "v5p": 1.75e9, "v6e": 1.75e9}
+# JAX's device_kind of each chip, as a TPU VM and a compile-only topology report it (libtpu of JAX 0.10.2)
+CHIP_BY_DEVICE_KIND = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p", "TPU v6 lite": "v6e"}
 # JAX devices per chip in a compile-only topology: v4:2x2x1 gives 8 devices for its 4 chips (TensorCores)
 DEVICES_PER_CHIP = {"v4": 2, "v5e": 1, "v5p": 1, "v6e": 1}
 # What splash attention's Mosaic kernels, priced at 0 by the cost model, are taken to reach: their FLOPs
@@ -223,3 +228,18 @@ def predict_step(hlo: str, chip: str, *, devices: int, tokens_per_step: int, flo
             "tok_per_s_per_chip": tok_per_s_per_chip, "peak_flops_per_chip": peak_flops_per_chip,
             "mfu": flops_per_token * tok_per_s_per_chip / peak_flops_per_chip,
             "unpriced": dict(sorted(counted.unpriced.items())), "loops": counted.loops}
+
+
+def tpu_chip(device) -> str | None:
+    """The chip of a TPU device ('v6e'), or None for another device or a chip the cost model's clock is not known for."""
+    return CHIP_BY_DEVICE_KIND.get(getattr(device, "device_kind", "")) if device.platform == "tpu" else None
+
+
+def predict_run_step(hlo: str, run: Run, devices: list) -> dict:
+    """predict_step for the compiled step of a run on these TPU devices (all of its slice's): its tokens per
+    step are its micro-steps' (one micro-batch per device unless it accumulates)."""
+    micro_batch = run.settings.device_batch_size * run.settings.max_seq_len  # tokens of one device
+    return predict_step(hlo, tpu_chip(devices[0]), devices=len(devices), tokens_per_step=run.total_batch_size,
+                        flops_per_token=run.flops_per_token,
+                        attention_matmul_flops=attention_flops_per_token(run.config) / 6 / run.config.n_layer
+                        * micro_batch, peak_flops_per_chip=peak_flops_per_device(devices[0]))

@@ -255,3 +255,14 @@ def abstract_batch(run: Run) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct
     shape = (run.grad_accum_steps, run.settings.device_batch_size * run.mesh.devices.size, run.settings.max_seq_len)
     batch = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(run.mesh))
     return batch, batch
+
+
+def abstract_step_arguments(run: Run) -> tuple:
+    """run.train_step()'s four arguments (params, opt_state, inputs, targets) as shapes with their shardings:
+    what lowers and compiles the step before any array exists (jit(...).trace(*these).lower().compile())."""
+    def with_shardings(tree, shardings):
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+    state = run.state
+    return (with_shardings(state.params, state.param_shardings), with_shardings(state.opt_state, state.opt_shardings),
+            *abstract_batch(run))

@@ -201,8 +201,10 @@ class RunSettings:
                                         "JAX", nanochat=False, resume=FREE)
     loader_workers: int = setting(4, "threads reading and tokenising data", "JAX", nanochat=False, resume=FREE)
     remat: str = setting("auto", "what each block keeps for the backward pass: everything, matmul outputs, or its "
-                         "input only (auto: the first of none, dots, block whose estimated memory fits the device, "
-                         "jaxchat.model.footprint)", "JAX", nanochat=False, choices=("auto", *REMAT_POLICIES), resume=FREE)
+                         "input only (auto: on a GPU or TPU each compiled, and the fastest whose peak leaves 10% of the "
+                         "device free, by XLA:TPU's prediction on a TPU, the cheapest on a GPU, "
+                         "jaxchat.compiled.remat_choice; on the CPU the first of none, dots, block whose "
+                         "estimated memory fits, jaxchat.model.footprint)", "JAX", nanochat=False, choices=("auto", *REMAT_POLICIES), resume=FREE)
     loss_chunk_len: int = setting(128, "positions per chunk of the loss head (float32 logits of one chunk at a "
                                   "time)", "JAX", nanochat=False, positive=True, resume=FREE)
     compilation_cache: str | None = setting(None, COMPILATION_CACHE_HELP, "JAX", nanochat=False, resume=FREE)
