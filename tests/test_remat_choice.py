@@ -36,13 +36,17 @@ def test_a_compiled_program_s_peak_is_its_output():
     assert compiled_peak_bytes(compiled) == 3 * MIB
 
 
-def test_without_a_cost_model_the_cheapest_policy_that_leaves_the_margin_wins():
-    """none needs 95 of 100 MiB (above 90%), dots 85: dots, and block is never compiled."""
+def test_without_a_cost_model_the_estimate_s_choice_is_checked_and_the_next_compiled_where_it_does_not_fit():
+    """The estimate chose none: none needs 95 of 100 MiB (above 90%), dots 85: dots, and block is never
+    compiled. Where the estimate chose dots, none is not compiled at all."""
     compile_policy, asked = candidates_of({"none": 95, "dots": 85, "block": 40})
-    chosen, compiled = choose_by_compiling(compile_policy, 100 * MIB, predict=None)
+    chosen, compiled = choose_by_compiling(compile_policy, 100 * MIB, predict=None, first="none")
     assert (chosen.policy, chosen.fits, asked) == ("dots", True, ["none", "dots"])
     assert [c.peak_bytes for c in compiled] == [95 * MIB, 85 * MIB]
     assert 1 - XLA_MARGIN == 0.9  # the 95/85 split above is on either side of it
+    compile_policy, asked = candidates_of({"none": 10, "dots": 85, "block": 40})
+    assert choose_by_compiling(compile_policy, 100 * MIB, predict=None, first="dots")[0].policy == "dots"
+    assert asked == ["dots"]
 
 
 def test_with_a_cost_model_the_fastest_that_fits_wins_compiled_from_the_one_that_keeps_least():
@@ -82,7 +86,7 @@ def test_an_error_that_is_not_a_refusal_propagates():
 
 def test_a_run_compiles_its_candidates_and_its_first_step_loads_the_chosen_one(tmp_path, jax_cache_config):
     """scripts.train's path on a GPU or TPU, on this CPU's device: the candidates compile for the run's own
-    devices and budget (here the RAM: none fits at once), and the run's jitted step is the same program as the
+    devices and budget (here the RAM; no cost model: the estimate's choice, none, compiled and fitting), and the run's jitted step is the same program as the
     chosen candidate, so its first call finds it in the compilation cache rather than compiling it again."""
     from jaxchat.compiled.remat_choice import resolve_remat_for_run
     from jaxchat.distributed.compilation_cache import enable_compilation_cache
@@ -97,7 +101,7 @@ def test_a_run_compiles_its_candidates_and_its_first_step_loads_the_chosen_one(t
     said = []
     resolved = resolve_remat_for_run(settings, 256, layout, said.append)
     assert (resolved.remat, resolved.remat_asked) == ("none", "auto")
-    assert said[0].startswith("remat auto, compiled: none, the cheapest that leaves 10% of ")
+    assert said[0].startswith("remat auto, compiled: none, from the estimate's choice on, the first that leaves 10% of ")
     compiled_steps = sorted(name for name in os.listdir(tmp_path) if name.startswith("jit_train_step"))
     assert len(compiled_steps) == 1
 

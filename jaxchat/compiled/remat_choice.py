@@ -10,8 +10,10 @@ will compile them, and the rule is:
 - on a TPU, XLA:TPU's cost model predicts each candidate's step (jaxchat.compiled.tpu_cost) and the fastest
   that fits wins; they are compiled from the one that keeps least (block) to the one that keeps most (none),
   stopping at the first that does not fit: keeping more never needs less memory, so the rest would not fit;
-- on a GPU there is no cost model: the cheapest policy that fits wins (each recomputes more than the one
-  before it), compiled cheapest first and stopping at the first that fits;
+- on a GPU neither the compiler nor jaxchat has a cost model, and XLA:GPU rematerializes a program above its
+  memory on its own (d20 B32 on 8 H100s under `none`: its pass recomputed until the peak was 57 GiB, from
+  69), so a compiled peak that fits says nothing of the time. There the estimate's choice is compiled and
+  checked: it runs if its peak leaves the margin, else the next policy (keeping less) is compiled, and so on;
 - when none fits, the one with the smallest peak runs (as with the estimate), said as such.
 A compile costs what the run's own first compile costs (d20 on 8 H100s compile-only: 45 s; on a v6e-8 on a
 2-core VM: 5 minutes; far less on a TPU VM's host); the persistent compilation cache (on by default) keeps
@@ -83,10 +85,12 @@ def compile_candidate(policy: str, compile_policy: Callable[[str], tuple[Run, An
 
 
 def choose_by_compiling(compile_policy: Callable[[str], tuple[Run, Any]], budget_bytes: int,
-                        predict: Callable[[Run, Any], float] | None) -> tuple[Candidate, list[Candidate]]:
+                        predict: Callable[[Run, Any], float] | None,
+                        first: str = REMAT_BY_COST[0]) -> tuple[Candidate, list[Candidate]]:
     """The rule of the module's doc: (the chosen candidate, every candidate compiled, in compile order).
-    compile_policy(policy) -> (run, compiled); predict(run, compiled) -> seconds, or None (no cost model)."""
-    order = REMAT_BY_COST[::-1] if predict is not None else REMAT_BY_COST
+    compile_policy(policy) -> (run, compiled); predict(run, compiled) -> seconds, or None (no cost model: the
+    policies from `first`, the estimate's choice, on)."""
+    order = REMAT_BY_COST[::-1] if predict is not None else REMAT_BY_COST[REMAT_BY_COST.index(first):]
     compiled = []
     for policy in order:
         candidate = compile_candidate(policy, compile_policy, budget_bytes, predict)
@@ -104,7 +108,8 @@ def choose_by_compiling(compile_policy: Callable[[str], tuple[Run, Any]], budget
 def report_choice(chosen: Candidate, candidates: list[Candidate], budget: tuple[int, str]) -> str:
     """The lines a run prints for its choice."""
     budget_bytes, source = budget
-    rule = "the fastest by XLA:TPU's prediction" if chosen.predicted_s is not None else "the cheapest"
+    rule = ("the fastest by XLA:TPU's prediction" if chosen.predicted_s is not None
+            else "from the estimate's choice on, the first")
     verdict = (f"{chosen.policy}, {rule} that leaves {XLA_MARGIN:.0%} of {budget_bytes / GIB:.2f} GiB ({source}) free"
                if chosen.fits else f"{chosen.policy}: NONE fits {1 - XLA_MARGIN:.0%} of {budget_bytes / GIB:.2f} GiB "
                f"({source}); the one that keeps least runs")
@@ -122,8 +127,11 @@ def resolve_remat_by_compiling(settings: RunSettings, vocab_size: int, layout: L
         run = build_run(dataclasses.replace(settings, remat=policy), vocab_size, layout=layout)
         return run, run.train_step().trace(*abstract_step_arguments(run)).lower().compile(compiler_options or {})
 
-    predict = (lambda run, compiled: predict_run_step(compiled.as_text(), run, devices)["step_s"]) if chip else None
-    chosen, candidates = choose_by_compiling(compile_policy, budget[0], predict)
+    if chip:
+        predict, first = (lambda run, compiled: predict_run_step(compiled.as_text(), run, devices)["step_s"]), None
+    else:  # the estimate's choice (jaxchat.model.footprint, from shapes), checked by compiling it
+        predict, first = None, build_run(settings, vocab_size, layout=layout, memory_budget=budget).settings.remat
+    chosen, candidates = choose_by_compiling(compile_policy, budget[0], predict, first or REMAT_BY_COST[0])
     return dataclasses.replace(settings, remat=chosen.policy, remat_asked="auto"), chosen, candidates
 
 
