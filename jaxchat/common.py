@@ -8,13 +8,15 @@ import sys
 import threading
 import time
 import warnings
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxchat import storage
+
+if TYPE_CHECKING:  # (imported where used: see _process_index)
+    import jax
+    import jax.numpy as jnp
 
 BASE_DIR_ENV = "JAXCHAT_BASE_DIR"
 DEFAULT_BASE_DIR = os.path.join("~", ".cache", "jaxchat")
@@ -57,6 +59,8 @@ def select_platform(device_type: str) -> None:
         hint = " (JAX has no MPS backend)" if device_type == "mps" else ""
         raise PlatformError(f"--device-type {device_type!r} is not supported{hint}: use cuda, cpu, or leave it empty "
                             "to autodetect")
+    import jax
+
     if device_type == "cpu":
         jax.config.update("jax_platforms", "cpu")
     try:
@@ -124,26 +128,40 @@ def key_name(key) -> str | int:
 
 def tree_nbytes(*trees) -> int:
     """Bytes of every array (or ShapeDtypeStruct) in the trees: what a checkpoint of them holds."""
+    import jax
+
     return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for tree in trees for x in jax.tree.leaves(tree))
+
+
+def _process_index() -> int:
+    """jax.process_index(), and 0 in a process that has not imported JAX: it cannot have started jax.distributed.
+    JAX is imported where it is used, not here: the commands that never use it (the data, tokenizer and report
+    commands, the CPU demo's helpers) would each spend ~2 s of CPU importing it."""
+    jax = sys.modules.get("jax")
+    return 0 if jax is None else jax.process_index()
 
 
 def is_master() -> bool:
     """Process 0 logs, samples and writes reports. (Only call once JAX is initialised.)"""
-    return jax.process_index() == 0
+    return _process_index() == 0
 
 
 def print0(*args, **kwargs) -> None:
-    if jax.process_index() == 0:
+    if _process_index() == 0:
         print(*args, **kwargs, flush=True)
 
 
 def backend() -> str:
     """'gpu', 'tpu' or 'cpu': the platform of the default devices."""
+    import jax
+
     return jax.default_backend()
 
 
-def compute_dtype(platform: str | None = None) -> jnp.dtype:
+def compute_dtype(platform: str | None = None) -> "jnp.dtype":
     """bfloat16 matmuls on accelerators; float32 on CPU, where bf16 is emulated and slower."""
+    import jax.numpy as jnp
+
     platform = platform or backend()
     return jnp.bfloat16 if platform in ("gpu", "cuda", "rocm", "tpu") else jnp.float32
 
@@ -175,8 +193,10 @@ PEAK_FLOPS_BF16 = [
 ]
 
 
-def peak_flops_per_device(device: jax.Device | None = None) -> float | None:
+def peak_flops_per_device(device: "jax.Device | None" = None) -> float | None:
     """Peak bf16 FLOP/s of one device, or None where the kind is unknown (MFU then says n/a)."""
+    import jax
+
     device = device or jax.devices()[0]
     kind = getattr(device, "device_kind", "")
     for name, flops in PEAK_FLOPS_BF16:
@@ -252,7 +272,7 @@ class Progress:
         self.stream = stream or sys.stdout
         self.live = self.stream.isatty()
         self.interval_s = min_interval_s if self.live else log_interval_s
-        self.enabled = jax.process_index() == 0
+        self.enabled = _process_index() == 0
         self.lock = threading.Lock()
         self.status_text = ""
         self.last_draw = time.monotonic() if not self.live else 0.0
