@@ -12,10 +12,9 @@ import time
 
 import pytest
 
-from scripts.gpu_check import ITEMS
+from scripts.gpu_check import ITEMS, main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytestmark = pytest.mark.slow  # every test here starts scripts.gpu_check as a process
 
 
 def command(*args: str) -> list[str]:
@@ -24,19 +23,27 @@ def command(*args: str) -> list[str]:
 
 @pytest.fixture
 def environment(subprocess_env) -> dict:
-    """The session's subprocess environment (its compilation cache: the three runs share programs), on the CPU."""
+    """The session's subprocess environment (its compilation cache), on the CPU."""
     return subprocess_env(PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
 
 
-def test_refuses_without_a_gpu(tmp_path, environment):
+def run_main(*args: str) -> int:
+    """scripts.gpu_check's main(args) in this process, its exit status: a refusal, or a run that skips every
+    measurement, starts no measurement here (the environment's is a child process, as always)."""
+    with pytest.raises(SystemExit) as stopped:
+        main(list(args))
+    return stopped.value.code
+
+
+def test_refuses_without_a_gpu(tmp_path, capsys):
     report = tmp_path / "gpu.json"
-    done = subprocess.run(command("--json", str(report)), cwd=REPO, env=environment, capture_output=True,
-                          text=True, timeout=60)
-    assert done.returncode == 2
-    assert "no GPU" in done.stderr and "--allow-cpu" in done.stderr
+    assert run_main("--json", str(report)) == 2
+    err = capsys.readouterr().err
+    assert "no GPU" in err and "--allow-cpu" in err
     assert not report.exists()
 
 
+@pytest.mark.slow
 def test_every_measurement_on_the_cpu(tmp_path, environment):
     report = tmp_path / "gpu.json"
     run = subprocess.Popen(command("--allow-cpu", "--json", str(report), "--steps", "2"), cwd=REPO,
@@ -78,12 +85,11 @@ def test_every_measurement_on_the_cpu(tmp_path, environment):
     assert items["flags_off"]["result"]["defaults_speedup"] == rows[0]["tok_per_s"] / items["flags_off"]["result"]["tok_per_s"]
 
 
-def test_what_does_not_fit_the_budget_is_skipped(tmp_path, environment):
+@pytest.mark.slow
+def test_what_does_not_fit_the_budget_is_skipped(tmp_path):
+    """The driver in this process (it skips both measurements), the environment in its child process."""
     report = tmp_path / "reports" / "gpu.json"  # in a folder not yet made: the script makes it
-    done = subprocess.run(command("--allow-cpu", "--json", str(report), "--budget-s", "1", "--only", "memory_d20",
-                                  "step_d20"), cwd=REPO, env=environment, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
+    assert run_main("--allow-cpu", "--json", str(report), "--budget-s", "1", "--only", "memory_d20", "step_d20") == 0
     items = json.loads(report.read_text())["items"]
     assert [(item["name"], item["status"]) for item in items] == [
         ("environment", "ok"), ("memory_d20", "skipped"), ("step_d20", "skipped")]
@@ -92,12 +98,8 @@ def test_what_does_not_fit_the_budget_is_skipped(tmp_path, environment):
 
 def test_a_report_folder_that_cannot_be_made_gets_one_line(tmp_path, capsys):
     """In this process: main stops before measuring anything (a file stands where the folder would be)."""
-    from scripts.gpu_check import main
-
     (tmp_path / "reports").write_text("not a folder")
-    with pytest.raises(SystemExit) as stopped:
-        main(["--allow-cpu", "--json", str(tmp_path / "reports" / "gpu.json")])
-    assert stopped.value.code == 2
+    assert run_main("--allow-cpu", "--json", str(tmp_path / "reports" / "gpu.json")) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --json ") and "is a file, not a directory" in err and err.count("\n") == 1, err
 
@@ -114,17 +116,17 @@ def test_reports_go_under_the_base_dir_one_per_target(tmp_path, monkeypatch):
                      ("compile_only_h100.json", "compile_only_v6e-2x4.json", "compile_only_v5e-4x8.json", "gpu_check.json")}
 
 
-def test_compile_only_says_what_to_install(tmp_path, environment):
+def test_compile_only_says_what_to_install(tmp_path, capsys):
     from jaxchat.distributed.runtime import cuda_plugin_installed
 
     if cuda_plugin_installed():
         pytest.skip("JAX's CUDA plugin is installed here: test_compile_only_for_h100s runs instead")
-    done = subprocess.run(command("--compile-only", "--depth", "2", "--json", str(tmp_path / "c.json")), cwd=REPO,
-                          env=environment, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2
-    assert "cuda12" in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert run_main("--compile-only", "--depth", "2", "--json", str(tmp_path / "c.json")) == 2
+    err = capsys.readouterr().err
+    assert "cuda12" in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.slow
 @pytest.mark.cuda_plugin
 def test_compile_only_for_h100s(tmp_path, environment):
     """The d2 step compiled for 1 and 2 H100s (no GPU): one report each, with cuDNN attention run once
