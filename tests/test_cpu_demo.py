@@ -104,11 +104,11 @@ def printed_command(out: str, script: str) -> str:
     return commands[-1]
 
 
-def run_as_printed(command: str, env: dict[str, str]) -> str:
+def run_as_printed(command: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     result = subprocess.run(["bash", "-c", command], env=env, cwd=env["HOME"], capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, f"{command}\n{(result.stdout + result.stderr)[-4000:]}"
-    return result.stdout
+    return result
 
 
 @pytest.mark.slow
@@ -125,7 +125,7 @@ def test_the_next_commands_work_as_printed(demo, newcomer_env):
 
     command = printed_command(out, "sample")
     assert command == f'JAXCHAT_BASE_DIR={base} python -m scripts.sample -p "The module"'
-    sample = run_as_printed(command, newcomer_env)
+    sample = run_as_printed(command, newcomer_env).stdout
     assert re.search(r"^-{80}\nThe module", sample, re.M), sample
 
 
@@ -135,9 +135,16 @@ def test_the_printed_export_writes_nanochats_files(demo, newcomer_env):
     base, out = demo
     command = printed_command(out, "export")
     assert command == f"JAXCHAT_BASE_DIR={base} python -m scripts.export --to-nanochat {base}/nanochat"
-    run_as_printed(command, newcomer_env)
+    done = run_as_printed(command, newcomer_env)
     assert sorted(os.listdir(base / "nanochat" / "base_checkpoints" / "d2")) == ["meta_000040.json", "model_000040.pt"]
     assert sorted(os.listdir(base / "nanochat" / "tokenizer")) == ["token_bytes.pt", "tokenizer.pkl"]
+    # its own lines only: the libraries' logging is set up as for a user (Orbax warns through absl), and hidden
+    checkpoint_dir, tokenizer_dir = base / "nanochat" / "base_checkpoints" / "d2", base / "nanochat" / "tokenizer"
+    assert done.stderr == ""
+    assert done.stdout.splitlines() == [
+        f"Loaded d2 step 40 from {base / 'base_checkpoints' / 'd2'}",
+        f"Wrote {checkpoint_dir / 'model_000040.pt'}", f"Wrote {checkpoint_dir / 'meta_000040.json'}",
+        f"Wrote {tokenizer_dir / 'tokenizer.pkl'}", f"Wrote {tokenizer_dir / 'token_bytes.pt'}"]
 
 
 def test_readme_starts_with_the_demo():

@@ -45,7 +45,6 @@ except ImportError:
 needs_torch = pytest.mark.skipif(torch is None, reason="PyTorch is not installed: nanochat's .pt files are read "
                                  "and written with it (pip install -e '.[nanochat]'; .ci/run installs its CPU build)")
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = """The module provides a function to parse the source code of a Python file. Return the same module.
 If the argument is omitted, the default encoding is used. Numbers like 12, 345 and 6789 are split in groups.
 Unicode text such as café, naïve, 你好 and 🌍 is encoded as bytes first."""
@@ -492,8 +491,10 @@ def test_an_import_of_garbage_says_what_it_is(exported, tmp_path):
 
 
 @needs_torch
-@pytest.mark.slow
 def test_command_line_prints_its_own_lines_only(exported, tmp_path, capsys, monkeypatch):
+    """In this process: --import and --to-nanochat say what they read and wrote, in their own lines; a second
+    export into the same place is refused. (That a user's terminal shows nothing else, no library's log line:
+    tests/test_cpu_demo.py runs the export command as the demo prints it, in a process of its own.)"""
     _, nanochat_dir, _ = exported
     monkeypatch.setenv("JAXCHAT_BASE_DIR", str(tmp_path / "jaxchat"))
     main(["--import", str(nanochat_dir / "base_checkpoints" / TAG / "model_000012.pt"), "--model-tag", "back", "--step", "7"])
@@ -501,13 +502,9 @@ def test_command_line_prints_its_own_lines_only(exported, tmp_path, capsys, monk
     assert f"into {tmp_path / 'jaxchat' / 'base_checkpoints' / 'back'}" in out
     assert f"written to {tmp_path / 'jaxchat' / 'tokenizer'}" in out
 
-    # a process of its own, so that the libraries' logging is set up as for a user (Orbax warns through absl)
-    result = subprocess.run([sys.executable, "-m", "scripts.export", "--to-nanochat", str(tmp_path / "nanochat")],
-                            cwd=REPO_ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stderr == ""
+    main(["--to-nanochat", str(tmp_path / "nanochat")])
     checkpoint_dir, tokenizer_dir = tmp_path / "nanochat" / "base_checkpoints" / "back", tmp_path / "nanochat" / "tokenizer"
-    assert result.stdout.splitlines() == [
+    assert capsys.readouterr().out.splitlines() == [
         f"Loaded back step 7 from {tmp_path / 'jaxchat' / 'base_checkpoints' / 'back'}",
         f"Wrote {checkpoint_dir / 'model_000007.pt'}", f"Wrote {checkpoint_dir / 'meta_000007.json'}",
         f"Wrote {tokenizer_dir / 'tokenizer.pkl'}", f"Wrote {tokenizer_dir / 'token_bytes.pt'}"]
