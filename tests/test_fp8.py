@@ -19,7 +19,7 @@ from jaxchat.checkpoint.manager import RunCheckpoints
 from jaxchat.export.nanochat import to_nanochat_state_dict
 from jaxchat.model.loss import LOGIT_SOFTCAP, token_losses
 from jaxchat.distributed.mesh import batch_sharding, make_mesh, put_batch
-from jaxchat.train.run import RunSettings, SettingsError, abstract_batch, build_run
+from jaxchat.train.run import RunSettings, SettingsError, abstract_step_arguments, build_run
 from jaxchat.train.trainer import TrainState, abstract_model
 
 U32 = 2.0 ** -24  # float32 unit roundoff
@@ -228,14 +228,6 @@ def linear_layers(model) -> list:
     return [node for _, node in nnx.iter_graph(model) if isinstance(node, gpt.Linear)]
 
 
-def abstract_step_args(run):
-    def with_shardings(tree, shardings):
-        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-
-    return (with_shardings(run.state.params, run.state.param_shardings),
-            with_shardings(run.state.opt_state, run.state.opt_shardings), *abstract_batch(run))
-
-
 def test_the_step_lowered_for_cuda_has_fp8_dots():
     """The whole train step (bf16 compute, remat 'dots') lowered for CUDA without a GPU: every matmul
     without batch dimensions (attention's and Muon's stacks have them) takes fp8 operands, in nanochat's
@@ -244,7 +236,7 @@ def test_the_step_lowered_for_cuda_has_fp8_dots():
     product is multiplied by one scalar (the product of the two inverse scales), which is what XLA's
     GemmRewriter folds into the cuBLASLt fp8 GEMM."""
     run = d2_run(True, compute_dtype="bfloat16", attention="xla", remat="dots")
-    text = run.train_step().trace(*abstract_step_args(run)).lower(lowering_platforms=("cuda",)).as_text()
+    text = run.train_step().trace(*abstract_step_arguments(run)).lower(lowering_platforms=("cuda",)).as_text()
     kinds, scaled = [], 0
     lines = text.splitlines()
     for i, line in enumerate(lines):
