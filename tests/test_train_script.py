@@ -499,16 +499,22 @@ def test_a_pair_killed_in_a_bucket_base_dir_resumes_from_it_exactly(pairs, gcs, 
     procs = start_two_processes(gcs, start_train, free_port(), *PAIR_FLAGS, "--model-tag=killed")
     # killed once step 6's line is printed: the save of step 6 began after step 5's line, once the save of step 3
     # was complete (--save-every=3), so the kill falls while the save of step 6 is under way or just done
+    printed = []
     for line in procs[0].stdout:
+        printed.append(line)
         if line.startswith("step 00006/"):
             break
     for p in procs:
         p.send_signal(signal.SIGKILL)
-    for p in procs:
-        rest_of_output(p, timeout=60)
+    printed_after = [rest_of_output(p, timeout=60) for p in procs]
     run = storage.join(gcs, "base_checkpoints", "killed")
     saved = run_directory.step_numbers(run)
-    assert saved and saved[-1] in (3, 6), saved  # 6 only if its commit marker was written before the kill
+    # 6 only if its commit marker was written before the kill. (Once, in a fresh-clone .ci/run of the whole suite,
+    # 2026-12-07, no step was there at all and the test said no more; not seen in 4 runs of it alone or under
+    # load since: what the bucket and the processes held is said if it happens again.)
+    listing = {name: storage.listdir(storage.join(run, name)) for name in storage.listdir(run)} \
+        if storage.isdir(run) else "no run directory"
+    assert saved and saved[-1] in (3, 6), (saved, listing, "".join(printed)[-3000:], printed_after)
     assert storage.exists(storage.join(run, "run.lock"))  # left by the killed run: judged gone at the restart
 
     resumed = train_two_processes(gcs, start_train, free_port(), *PAIR_FLAGS, "--model-tag=killed")
