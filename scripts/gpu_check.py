@@ -120,6 +120,7 @@ def check_memory(args, sizes: Sizes) -> dict:
 
     from jaxchat.common import tree_nbytes
     from jaxchat.compiled.compile_only import abstract_step, target_pool_bytes
+    from jaxchat.compiled.remat_choice import compiled_peak_bytes
     from jaxchat.compiled.hlo import parse_hlo
     from jaxchat.distributed.mesh import make_mesh
     from jaxchat.train.run import RunSettings
@@ -135,8 +136,7 @@ def check_memory(args, sizes: Sizes) -> dict:
     analysis = compiled.memory_analysis()
     if analysis is None:
         raise RuntimeError("this backend gives no memory analysis")
-    needed = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
-              + analysis.temp_size_in_bytes)
+    needed = compiled_peak_bytes(compiled)
     shrinks = (1 - 1 / ZERO1_DEVICES) * tree_nbytes(state.opt_state)  # the gradient accumulator stays whole
     on_8 = needed - shrinks
     h100_pool = target_pool_bytes()

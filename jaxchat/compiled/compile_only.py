@@ -181,6 +181,12 @@ def abstract_step(settings: RunSettings, vocab_size: int, mesh, *, memory_budget
     return run, run.train_step(), abstract_step_arguments(run)
 
 
+def describe(settings: RunSettings, vocab_size: int, remat: str, num_devices: int, target: str, suffix: str) -> str:
+    """A compiled step's configuration in one line: 'd20 T2048 B16 V65536 SSSL remat=block x8 v6e:2x4 ...'."""
+    return (f"d{settings.depth} T{settings.max_seq_len} B{settings.device_batch_size} V{vocab_size} "
+            f"{settings.window_pattern} remat={remat} x{num_devices} {target}{suffix}")
+
+
 def zero1_minimum_bytes(params, num_devices: int) -> float:
     """What ZeRO-1 must move per device and step: a reduce-scatter of the float32 gradients and an
     all-gather of the float32 parameters, (n-1)/n of the whole each (the ring convention). Every
@@ -250,10 +256,9 @@ def compile_for_target(settings: RunSettings, vocab_size: int, num_devices: int 
     options = {**options, **(compiler_options or {})}
     mesh = make_mesh(devices=devices)
     budget = (pool, f"{target}'s memory")
+
     def config(remat: str) -> str:  # what an error names: the configuration XLA refused
-        return (f"d{settings.depth} T{settings.max_seq_len} B{settings.device_batch_size} V{vocab_size} "
-                f"{settings.window_pattern} remat={remat} x{num_devices} {target}"
-                f"{' with accumulation' if accumulate else ''}")
+        return describe(settings, vocab_size, remat, num_devices, target, " with accumulation" if accumulate else "")
 
     start = time.perf_counter()
     with tracing:
@@ -278,8 +283,8 @@ def _compile_auto(settings: RunSettings, vocab_size: int, mesh, budget: tuple[in
     """--remat auto by compiling (jaxchat.compiled.remat_choice): (the chosen run, its compiled step, the report)."""
     step_settings = abstract_step_settings(settings, mesh.devices.size, accumulate)
     estimate_chose = build_run(step_settings, vocab_size, mesh=mesh, memory_budget=budget).settings.remat
-    resolved, chosen, candidates = resolve_remat_by_compiling(step_settings, vocab_size,
-                                                              make_layout(step_settings, mesh), budget, options)
+    resolved, chosen, candidates = resolve_remat_by_compiling(step_settings, vocab_size, make_layout(step_settings, mesh),
+                                                              budget, options, estimate=estimate_chose)
     if chosen.compiled is None:  # XLA refused every candidate
         raise StepDidNotCompile(f"{config('auto')}: XLA refused every policy: "
                                 + "; ".join(f"{c.policy}: {c.refusal}" for c in candidates))
@@ -307,9 +312,7 @@ def _compiled_figures(run: Run, compiled, devices: list, target: str, pool: int,
     found = hlo_collectives(hlo, num_devices)
     remat = f"{settings.remat} (auto)" if remat_auto is not None else settings.remat
     accumulation = f" accumulation {run.grad_accum_steps}" if run.grad_accum_steps > 1 else ""
-    config = (f"d{settings.depth} T{settings.max_seq_len} B{settings.device_batch_size} V{run.config.vocab_size} "
-              f"{settings.window_pattern} remat={remat} x{num_devices} {target}{accumulation}")
-    result = {"config": config,
+    result = {"config": describe(settings, run.config.vocab_size, remat, num_devices, target, accumulation),
               "devices": num_devices, "target": target, "memory_gib": memory,
               "pool_gib": pool / GIB, "peak_share_of_pool": peak / pool,
               "kernels": custom_call_census(hlo), "collectives": collective_summary(found),

@@ -28,8 +28,9 @@ from typing import Any
 import jax
 
 from jaxchat.compiled.tpu_cost import predict_run_step, tpu_chip
+from jaxchat.distributed.multihost import gathered
 from jaxchat.model.footprint import REMAT_BY_COST, XLA_MARGIN
-from jaxchat.train.run import Layout, Run, RunSettings, abstract_step_arguments, build_run
+from jaxchat.train.run import Layout, Run, RunSettings, abstract_step_arguments, build_run, mesh_budget
 
 GIB = 2**30
 
@@ -117,9 +118,11 @@ def report_choice(chosen: Candidate, candidates: list[Candidate], budget: tuple[
 
 
 def resolve_remat_by_compiling(settings: RunSettings, vocab_size: int, layout: Layout, budget: tuple[int, str],
-                               compiler_options: dict | None = None) -> tuple[RunSettings, Candidate, list[Candidate]]:
+                               compiler_options: dict | None = None, estimate: str | None = None,
+                               ) -> tuple[RunSettings, Candidate, list[Candidate]]:
     """--remat auto for a run on the mesh's devices (real ones, or a compile-only target's): the settings that
-    run the chosen policy (remat_asked 'auto'), the chosen candidate and every one compiled."""
+    run the chosen policy (remat_asked 'auto'), the chosen candidate and every one compiled. estimate: the
+    estimate's choice where the caller has it (else made here where the rule needs it: without a cost model)."""
     devices = list(layout.mesh.devices.flat)
     chip = tpu_chip(devices[0])
 
@@ -128,10 +131,11 @@ def resolve_remat_by_compiling(settings: RunSettings, vocab_size: int, layout: L
         return run, run.train_step().trace(*abstract_step_arguments(run)).lower().compile(compiler_options or {})
 
     if chip:
-        predict, first = (lambda run, compiled: predict_run_step(compiled.as_text(), run, devices)["step_s"]), None
+        chosen, candidates = choose_by_compiling(
+            compile_policy, budget[0], lambda run, compiled: predict_run_step(compiled.as_text(), run, devices)["step_s"])
     else:  # the estimate's choice (jaxchat.model.footprint, from shapes), checked by compiling it
-        predict, first = None, build_run(settings, vocab_size, layout=layout, memory_budget=budget).settings.remat
-    chosen, candidates = choose_by_compiling(compile_policy, budget[0], predict, first or REMAT_BY_COST[0])
+        estimate = estimate or build_run(settings, vocab_size, layout=layout, memory_budget=budget).settings.remat
+        chosen, candidates = choose_by_compiling(compile_policy, budget[0], None, estimate)
     return dataclasses.replace(settings, remat=chosen.policy, remat_asked="auto"), chosen, candidates
 
 
@@ -141,10 +145,7 @@ def resolve_remat_for_run(settings: RunSettings, vocab_size: int, layout: Layout
     the budget of this process's first one (its allocator's bytes_limit). Every process compiles the same
     candidates; process 0's choice runs everywhere (one program on every host), and a host that chose otherwise
     is said. The run's own first compile then finds the chosen step in the compilation cache."""
-    from jaxchat.distributed.multihost import gathered
-    from jaxchat.model.footprint import device_budget
-
-    budget = device_budget(next(d for d in layout.mesh.devices.flat if d.process_index == jax.process_index()))
+    budget = mesh_budget(layout.mesh)
     resolved, chosen, candidates = resolve_remat_by_compiling(settings, vocab_size, layout, budget)
     say(report_choice(chosen, candidates, budget))
     choices = gathered("remat auto", resolved.remat)

@@ -215,7 +215,7 @@ def build_run(settings: RunSettings, vocab_size: int, *, mesh: Mesh | None = Non
         raise SettingsError(str(e)) from None
     state = abstract_train_state(config, optimizer, mesh, fsdp=settings.fsdp, seed=settings.seed, **model_kwargs)
     if asked_auto:
-        settings = resolve_remat(settings, config, state, memory_budget or _mesh_budget(mesh), say)
+        settings = resolve_remat(settings, config, state, memory_budget or mesh_budget(mesh), say)
         if settings.remat != "none":
             state = abstract_train_state(config, optimizer, mesh, fsdp=settings.fsdp, seed=settings.seed,
                                          **settings.model_kwargs())
@@ -223,7 +223,7 @@ def build_run(settings: RunSettings, vocab_size: int, *, mesh: Mesh | None = Non
                flops_per_token, str(model.dtype), optimizer, state)
 
 
-def _mesh_budget(mesh: Mesh) -> tuple[int, str]:
+def mesh_budget(mesh: Mesh) -> tuple[int, str]:
     """The budget of this process's first device in the mesh."""
     return device_budget(next(d for d in mesh.devices.flat if d.process_index == jax.process_index()))
 
