@@ -11,19 +11,35 @@ import sys
 import tempfile
 import threading
 
-# LLVM at -O0 for the CPU code XLA emits: the suite compiles hundreds of small programs (eager ops, one
-# step or forward each) and runs each a few times, so compiling is most of its time, and -O0 compiles
-# ~1.5x as fast (tests/test_gpt_92d63d4.py and test_engine.py: 45 s of compilation down to 26 s, on 2
-# cores). XLA's optimised HLO and its memory analysis stay the same (a d2 train step's, compared); the
-# machine code runs slower and may round differently (a d2 run's loss after 3 steps: the same on 1 device,
-# 7e-7 apart relative on 8), within every tolerance here, which is derived from float32 rounding, not
-# from one optimisation level's bits. Subprocesses that run JAX inherit it (subprocess_env).
-FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0"
+# XLA:CPU compiling fast rather than well: the suite compiles ~2,000 small programs (eager ops, one step or
+# forward each) and runs each a few times, so compiling is most of its time.
+# - LLVM at -O0 for the code XLA emits: ~1.5x as fast (tests/test_gpt_92d63d4.py and test_engine.py: 45 s of
+#   compilation down to 26 s, on 2 cores).
+# - XLA:CPU's IR emitters rather than its MLIR fusion emitters, and LLVM's module in one piece rather than split
+#   for parallel codegen: a d2 train step (8 devices, remat dots) compiled in 0.8 s instead of 1.8 s; the whole
+#   suite took 276 s instead of 382 s, 514 CPU-seconds instead of 787 (2-core VM, 2026-12-07).
+# XLA's optimised HLO and its memory analysis stay the same (a d2 train step's, compared: its temporaries
+# 64 bytes apart in 5.8 MiB); the machine code runs slower and may round differently (-O0 alone: a d2 run's loss
+# after 3 steps the same on 1 device, 7e-7 apart relative on 8), within every tolerance here, which is derived
+# from float32 rounding, not from one compiler's bits. Subprocesses that run JAX inherit it (subprocess_env).
+# An XLA flag that this jaxlib does not know aborts every JAX process ("Unknown flag in XLA_FLAGS"): the two
+# XLA:CPU flags are checked once per session (a process that starts the CPU backend with them, ~1 s), by the
+# controller; its workers and subprocesses inherit the answer.
+def _fast_compile_xla_flags() -> str:
+    optional = "--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
+    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], capture_output=True,
+                           env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": optional})
+    return "--xla_backend_optimization_level=0" + (f" {optional}" if probe.returncode == 0 else "")
+
+
+if "JAXCHAT_TEST_FAST_COMPILE_XLA_FLAGS" not in os.environ:
+    os.environ["JAXCHAT_TEST_FAST_COMPILE_XLA_FLAGS"] = _fast_compile_xla_flags()
+FAST_COMPILE_XLA_FLAGS = os.environ["JAXCHAT_TEST_FAST_COMPILE_XLA_FLAGS"]
 
 
 def host_xla_flags(devices: int) -> str:
     """XLA_FLAGS of a JAX process standing for a host of `devices` CPU devices, compiling as the suite does
-    (a subprocess given its own XLA_FLAGS would otherwise lose the -O0)."""
+    (a subprocess given its own XLA_FLAGS would otherwise lose these)."""
     return f"{FAST_COMPILE_XLA_FLAGS} --xla_force_host_platform_device_count={devices}"
 
 
