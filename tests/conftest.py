@@ -46,11 +46,16 @@ def host_xla_flags(devices: int) -> str:
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), host_xla_flags(8)]).strip()
 os.environ.setdefault("WANDB_MODE", "disabled")
-# One persistent XLA compilation cache for the session: this process, pytest-xdist's workers (they inherit the
-# variable, set here in the controller before they start) and every JAX process a test starts (subprocess_env).
-# Tests compile the same programs more than once: a train step per in-process run of scripts.train, a script's
-# programs at each start. Programs that compile in under 0.2 s (an eager operation: ~0.05 s) are not written.
-SESSION_XLA_CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxchat-tests-xla-"))
+# A folder for the session's shared files, made by the controller (pytest-xdist's workers inherit the variable,
+# set before they start) and removed with the session: the built-in corpus (builtin_docs) and, unless the caller
+# names its own, one persistent XLA compilation cache for this process, the workers and every JAX process a test
+# starts (subprocess_env). Tests compile the same programs more than once: a train step per in-process run of
+# scripts.train, a script's programs at each start. Programs that compile in under 0.2 s (an eager operation:
+# ~0.05 s) are not written.
+if "JAXCHAT_TEST_SESSION_DIR" not in os.environ:
+    os.environ["JAXCHAT_TEST_SESSION_DIR"] = tempfile.mkdtemp(prefix="jaxchat-tests-")
+SESSION_DIR = os.environ["JAXCHAT_TEST_SESSION_DIR"]
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(SESSION_DIR, "xla_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import re  # noqa: E402
@@ -67,10 +72,22 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="session")
 def builtin_docs() -> list[str]:
-    """The built-in corpus (the docstrings of Python's standard library), parsed once per session."""
+    """The built-in corpus (local_corpus.builtin_documents() at its defaults: the docstrings of Python's standard
+    library), parsed once per session, by the first worker that asks (~4 CPU-seconds); the others read its file."""
+    import fcntl
+    import json
+
     from jaxchat.data import local_corpus
 
-    return local_corpus.builtin_documents()
+    path = os.path.join(SESSION_DIR, "builtin_documents.json")
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(path):
+            with open(path + ".part", "w") as f:
+                json.dump(local_corpus.builtin_documents(), f)
+            os.replace(path + ".part", path)
+    with open(path) as f:
+        return json.load(f)
 
 
 @pytest.fixture(scope="session")
@@ -134,9 +151,9 @@ def pytest_runtest_setup(item):
 
 
 def pytest_sessionfinish(session):
-    """The session's compilation cache goes with it (by the controller, once its workers are done)."""
+    """The session's folder goes with it (by the controller, once its workers are done)."""
     if not hasattr(session.config, "workerinput"):
-        shutil.rmtree(SESSION_XLA_CACHE, ignore_errors=True)
+        shutil.rmtree(SESSION_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

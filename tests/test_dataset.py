@@ -17,7 +17,7 @@ import pytest
 
 from jaxchat import dataset, storage
 
-from jaxchat.data import download
+from jaxchat.data import download, local_corpus
 from jaxchat.common import Progress
 from jaxchat.data.shards import (CORPUS_INFO_FILE, CorruptShardError, list_parquet_files, list_row_groups,
                             parquet_paths_for_split, read_row_group, shard_filename)
@@ -79,7 +79,17 @@ def test_missing_shards_say_which_command_to_run(tmp_path, num_shards):
             list_row_groups(split, str(tmp_path))
 
 
-def test_a_recipe_without_shards_gets_commands_that_work_as_given(tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def parsed_builtin_corpus(monkeypatch, builtin_docs):
+    """`--builtin` at its default document length takes the session's parse of the corpus (conftest.builtin_docs:
+    the same function, ~4 CPU-seconds a parse) instead of parsing the standard library again."""
+    parse = local_corpus.builtin_documents
+    monkeypatch.setattr(local_corpus, "builtin_documents", lambda max_doc_chars=10_000, seed=0: list(builtin_docs)
+                        if (max_doc_chars, seed) == (10_000, 0) else parse(max_doc_chars, seed))
+
+
+def test_a_recipe_without_shards_gets_commands_that_work_as_given(tmp_path, monkeypatch, capsys,
+                                                                  parsed_builtin_corpus):
     """After the CPU demo (built-in shards in base_data), recipe 92d63d4 looks in base_data_climbmix: the error
     names ClimbMix's download, the built-in corpus written where the recipe looks, and the demo's shards; the
     offline command, run as printed, makes the recipe's directory trainable."""
@@ -455,7 +465,7 @@ def test_existing_shards_are_replaced_only_with_overwrite(tmp_path):
     assert all_text(paths) == docs
 
 
-def test_builtin_corpus_is_real_prose_of_useful_size(tmp_path, capsys):
+def test_builtin_corpus_is_real_prose_of_useful_size(tmp_path, capsys, parsed_builtin_corpus):
     dataset.main(["--builtin", "--data-dir", str(tmp_path)])
     paths = list_parquet_files(str(tmp_path))
     docs = all_text(paths)
