@@ -1088,18 +1088,20 @@ def test_a_second_run_on_a_live_runs_directory_is_refused_at_once(runs):
 
 
 @pytest.mark.slow
-def test_a_run_resumed_at_its_last_step_only_finishes_its_report(runs, start_train, rest_of_output):
+def test_a_run_resumed_at_its_last_step_only_finishes_its_report(runs, monkeypatch, capsys):
     """A requeued job whose run had saved its last step (preempted during its final evaluation): the same command
-    again trains, evaluates, saves and samples nothing, and rewrites no step; it writes the report's section."""
+    again trains, evaluates, saves and samples nothing, and rewrites no step; it writes the report's section.
+    (The script's main in this process: the run it resumes ran as processes, in the fixture.)"""
     run_dir = runs["base"] / "base_checkpoints" / "whole"
     step_files = lambda: {path: (os.stat(path).st_ino, os.stat(path).st_mtime_ns)  # noqa: E731
                           for path in glob.glob(str(run_dir / "[0-9]*" / "**"), recursive=True)}
     before = step_files()
     section = runs["base"] / "report" / "base-model-training.md"
     written_before = os.path.getmtime(section)
-    again = start_train(runs["base"], *TRAIN_FLAGS, "--resume-from-step=latest")
-    out = rest_of_output(again, timeout=300)
-    assert again.returncode == 0, out[-3000:]
+    monkeypatch.setenv("JAXCHAT_BASE_DIR", str(runs["base"]))
+    capsys.readouterr()
+    train_script.main([*TRAIN_FLAGS, "--resume-from-step=latest"])
+    out = capsys.readouterr().out
     assert f"Step {TRAIN_STEPS} is this run's last and is saved: nothing to train, evaluate or save" in out, out[-3000:]
     assert not VAL_BPB_LINE.search(out) and not TRAIN_STEP_LINE.search(out) and "<|bos|>" not in out
     assert "Replacing" not in out and "Moved" not in out
