@@ -22,7 +22,8 @@ def test_bench_traces_steps_after_its_timed_ones(tmp_path, capsys):
     from scripts import bench
 
     bench.main(["train", "--depth", "2", "--max-seq-len", "64", "--device-batch-size", "1", "--vocab-size", "256",
-                "--steps", "1", "--profile-steps", "3:5", "--profile-dir", str(tmp_path)])
+                "--steps", "1", "--num-devices", "1", "--profile-steps", "3:5",
+                "--profile-dir", str(tmp_path)])
     trace_dir = tmp_path / "d2_SSSL_auto"
     assert f"Profile of steps 3..4 in {trace_dir}" in capsys.readouterr().out
     perfetto = [f for f in trace_files(str(trace_dir)) if f.endswith("perfetto_trace.json.gz")]
