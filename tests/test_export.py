@@ -11,6 +11,7 @@ from __future__ import annotations  # torch.Tensor in signatures, without PyTorc
 import dataclasses
 import errno
 import glob
+import importlib.util
 import json
 import os
 import pickle
@@ -36,14 +37,12 @@ from jaxchat.export.nanochat import (NANOCHAT_META_KEYS, from_nanochat_state_dic
 from jaxchat.data.tokenizer import SPECIAL_TOKENS, Tokenizer
 from scripts.export import export_checkpoint, export_to_nanochat, import_weights, main
 
-try:
-    import torch
-    import torch.nn.functional as F
-except ImportError:
-    torch = F = None
-# pytest.importorskip would skip the whole file; this skips only the tests that read or write .pt files
-needs_torch = pytest.mark.skipif(torch is None, reason="PyTorch is not installed: nanochat's .pt files are read "
-                                 "and written with it (pip install -e '.[nanochat]'; .ci/run installs its CPU build)")
+# pytest.importorskip would skip the whole file; this skips only the tests that read or write .pt files. PyTorch
+# (~1.7 s to import) is imported by the functions that use it, not at collection: every pytest worker collects this
+# file, one runs it.
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                                 reason="PyTorch is not installed: nanochat's .pt files are read and written with it "
+                                 "(pip install -e '.[nanochat]'; .ci/run installs its CPU build)")
 
 TEXT = """The module provides a function to parse the source code of a Python file. Return the same module.
 If the argument is omitted, the default encoding is used. Numbers like 12, 345 and 6789 are split in groups.
@@ -93,6 +92,9 @@ def nanochat_forward(sd: dict[str, torch.Tensor], c: NanochatGPTConfig, idx: tor
     """nanochat's GPT.forward (bdcc030) on CPU in float32: parameter-free RMSNorm, rotary with a bfloat16
     table, QK norm, GQA, causal windows (query i sees key j iff 0 <= i - j <= window, FlashAttention's
     window_size=(window, 0)), ReLU^2, resid/x0 lambdas, logits soft-capped at 15."""
+    import torch
+    import torch.nn.functional as F
+
     B, T = idx.shape
     H, Hkv, C = c.n_head, c.n_kv_head, c.n_embd
     D = C // H
@@ -129,6 +131,8 @@ def nanochat_forward(sd: dict[str, torch.Tensor], c: NanochatGPTConfig, idx: tor
 
 def nanochat_build_model_data(model_path: str) -> dict[str, torch.Tensor]:
     """What checkpoint_manager.build_model loads on CPU: bfloat16 upcast, torch.compile's prefix removed."""
+    import torch
+
     data = torch.load(model_path, map_location="cpu")
     data = {k: v.float() if v.dtype == torch.bfloat16 else v for k, v in data.items()}
     return {k.removeprefix("_orig_mod."): v for k, v in data.items()}
@@ -197,6 +201,8 @@ def exported(tmp_path_factory, tokenizer, config):
 
 @needs_torch
 def test_export_writes_what_nanochat_load_model_reads(exported, config):
+    import torch
+
     model, nanochat_dir, written = exported
     checkpoint_dir = nanochat_dir / "base_checkpoints" / TAG
     assert written == [str(checkpoint_dir / "model_000012.pt"), str(checkpoint_dir / "meta_000012.json"),
@@ -226,6 +232,8 @@ def test_export_writes_what_nanochat_load_model_reads(exported, config):
 
 @needs_torch
 def test_nanochat_forward_of_the_export_matches_jaxchat(exported, config):
+    import torch
+
     model, nanochat_dir, _ = exported
     checkpoint_dir = nanochat_dir / "base_checkpoints" / TAG
     with open(checkpoint_dir / "meta_000012.json", encoding="utf-8") as f:
@@ -242,6 +250,8 @@ def test_nanochat_forward_of_the_export_matches_jaxchat(exported, config):
 
 @needs_torch
 def test_exported_tokenizer_is_nanochats_pickle_and_token_bytes(exported, tokenizer):
+    import torch
+
     _, nanochat_dir, _ = exported
     with open(nanochat_dir / "tokenizer" / "tokenizer.pkl", "rb") as f:
         enc = pickle.load(f)  # RustBPETokenizer.from_directory
@@ -261,6 +271,8 @@ def test_exported_tokenizer_is_nanochats_pickle_and_token_bytes(exported, tokeni
 def test_token_bytes_of_a_92d63d4_export_are_raw_bytes(tmp_path, tokenizer, config):
     """92d63d4's tok_train.py counts decode_single_token_bytes: a byte of a multi-byte character is 1 byte,
     not the 3 of U+FFFD that bdcc030's rule gives it (else nanochat's bits per byte on the export read low)."""
+    import torch
+
     save_checkpoint(str(tmp_path / "jaxchat"), perturbed(dataclasses.replace(config, recipe="92d63d4"), seed=9), tokenizer)
     export_to_nanochat(str(tmp_path / "nanochat"), base_dir=str(tmp_path / "jaxchat"))
     with open(tmp_path / "nanochat" / "tokenizer" / "tokenizer.pkl", "rb") as f:
@@ -285,6 +297,8 @@ def test_token_bytes_of_a_92d63d4_export_are_raw_bytes(tmp_path, tokenizer, conf
 
 @needs_torch
 def test_import_of_nanochat_files_round_trips(exported, tmp_path, tokenizer):
+    import torch
+
     model, nanochat_dir, _ = exported
     model_path = nanochat_dir / "base_checkpoints" / TAG / "model_000012.pt"
     directory = import_weights(str(model_path), base_dir=str(tmp_path / "jaxchat"))  # meta and tokenizer: beside it
@@ -329,6 +343,8 @@ def test_safetensors_export_and_import_are_exact(tmp_path, tokenizer, config):
 def test_import_of_a_nanochat_gpu_checkpoint(tmp_path, config, capsys):
     """nanochat on GPU keeps wte in bfloat16, saves from a torch.compile'd model (names prefixed
     _orig_mod.), and older models have no window_pattern (nanochat reads that as 'L')."""
+    import torch
+
     config = dataclasses.replace(config, window_pattern="L")
     model = perturbed(config, seed=6)
     state_dict = {f"_orig_mod.{k}": torch.tensor(v) for k, v in nanochat_reference(model).items()}
@@ -426,6 +442,8 @@ def files_under(path) -> dict[str, bytes]:
 
 @needs_torch
 def test_a_failed_export_leaves_the_nanochat_dir_as_it_was(exported, tmp_path, unwritable_dir, monkeypatch):
+    import torch
+
     _, nanochat_dir, _ = exported
     model_path = nanochat_dir / "base_checkpoints" / TAG / "model_000012.pt"
     jaxchat_dir = tmp_path / "jaxchat"
@@ -457,6 +475,8 @@ def test_a_failed_export_leaves_the_nanochat_dir_as_it_was(exported, tmp_path, u
 
 @needs_torch
 def test_an_import_of_garbage_says_what_it_is(exported, tmp_path):
+    import torch
+
     _, nanochat_dir, _ = exported
     meta = (nanochat_dir / "base_checkpoints" / TAG / "meta_000012.json").read_text()
     good = (nanochat_dir / "base_checkpoints" / TAG / "model_000012.pt").read_bytes()

@@ -8,6 +8,7 @@ transformers model must give its numbers, for both recipes, with windows shorter
 import base64
 import glob
 import http.server
+import importlib.util
 import json
 import os
 import re
@@ -19,14 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-pytest.importorskip("transformers", reason="the hf extra is not installed (pip install -e '.[hf]')")
-torch = pytest.importorskip("torch")
+# transformers and PyTorch (~4 s to import) are imported by the tests that use them, not at collection: every
+# pytest worker collects this file, one runs it
+pytestmark = pytest.mark.skipif(any(importlib.util.find_spec(name) is None for name in ("transformers", "torch")),
+                                reason="the hf extra is not installed (pip install -e '.[hf]')")
 
 from nanochat_numpy import randomized  # noqa: E402
 from test_export import TEXT, save_checkpoint  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from jaxchat.export import hf_modeling  # noqa: E402
 from jaxchat.export.hf import push_to_hub  # noqa: E402
 from jaxchat.eval.core import RowScorer, ScoredRows  # noqa: E402
 from jaxchat.model.gpt import GPTConfig  # noqa: E402
@@ -69,6 +70,9 @@ def long_ids(tokenizer) -> list[int]:
 
 def test_transformers_logits_equal_jaxchats(exported, tokenizer):
     model, _, out = exported
+    import torch
+    from transformers import AutoModelForCausalLM
+
     hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
     assert type(hf).__name__ == "JaxchatForCausalLM" and hf.dtype == torch.float32
     ids = long_ids(tokenizer)
@@ -94,6 +98,8 @@ def test_generate_greedy_equals_scripts_sample(exported, tokenizer, monkeypatch,
     monkeypatch.setenv("JAXCHAT_BASE_DIR", str(base_dir))
     sample.main(["-p", prompt, "-t", "0", "-m", "60"])
     jaxchat_text = capsys.readouterr().out.split("-" * 80 + "\n")[1].rstrip("\n")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     hf, hf_tok = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True), AutoTokenizer.from_pretrained(out)
     inputs = hf_tok(prompt, return_tensors="pt")
     assert inputs["input_ids"].shape[1] + 60 > 128  # the generated tokens reach past the short windows
@@ -116,6 +122,8 @@ def jaxchat_ids(tokenizer: Tokenizer, text: str) -> list[int]:
 
 def test_fast_tokenizer_gives_jaxchats_ids(exported, tokenizer):
     _, _, out = exported
+    from transformers import AutoTokenizer
+
     hf_tok = AutoTokenizer.from_pretrained(out)  # no remote code: the tokenizer is transformers' own class
     text = ("<|bos|>Tabs\t\tand  runs   of spaces,\n\n\nnewlines\r\n<|user_start|>café, naïve, 你好 🌍 and "
             "12345.678<|user_end|><|assistant_start|> x<|python_start|>print(1)<|python_end|>  ")
@@ -285,6 +293,8 @@ def test_an_export_is_replaced_only_with_overwrite(exported, tmp_path, monkeypat
     assert {name: (again / name).read_bytes() for name in os.listdir(again) if name != ".env"} == before  # the same files
     assert fake_hub.repos["me/jaxchat-d2"] == {"private": True, "files": before}
     # a model that is not jaxchat's (a soft cap of 14) fails the check: nothing is written
+    from jaxchat.export import hf_modeling
+
     monkeypatch.setattr(hf_modeling, "LOGIT_SOFTCAP", 14.0)
     with pytest.raises(SystemExit):
         export.main(["--to-hf", str(tmp_path / "wrong")])
