@@ -98,6 +98,24 @@ def test_every_module_imports(module):
     importlib.import_module(module)
 
 
+def test_every_command_prints_its_help(capsys):
+    """`python -m <module> --help` of each module with a main(argv): its usage, status 0. (argparse %-formats
+    help texts: a bare % in one made scripts.train's and scripts.gpu_check's --help raise TypeError.)"""
+    commands = 0
+    for module in modules("jaxchat") + modules("scripts"):
+        if module in ("scripts.tok_train", "scripts.tok_eval"):  # their work runs at import (no main)
+            continue
+        main = getattr(importlib.import_module(module), "main", None)
+        if main is None:
+            continue
+        with pytest.raises(SystemExit) as stopped:
+            main(["--help"])
+        assert stopped.value.code == 0, module
+        assert capsys.readouterr().out.startswith("usage: "), module
+        commands += 1
+    assert commands >= 9  # the scripts' and python -m jaxchat.dataset / jaxchat.report
+
+
 MAX_FUNCTION_LINES = 80  # a function longer than a screen or so is several functions
 
 

@@ -344,7 +344,8 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
     groups: dict[str, Any] = {}
     for field in cli_fields():
         group = groups.setdefault(field.metadata["group"], parser.add_argument_group(field.metadata["group"]))
-        help_text = f"{field.metadata['help']} (default: {field.default!r})"
+        # (argparse %-formats help texts: a bare % in one, "10% of", made --help raise TypeError)
+        help_text = f"{field.metadata['help']} (default: {field.default!r})".replace("%", "%%")
         if field.metadata["recipes"] is not None:
             help_text += f"; recipes {', '.join(field.metadata['recipes'])} only"
         if field.type is bool:
