@@ -91,9 +91,15 @@ def test_scripts_are_leaves():
         assert not {n for n in imported(module) if n == "scripts" or n.startswith("scripts.")}, module
 
 
-@pytest.mark.parametrize("module", modules("jaxchat") + modules("scripts"))
+# jaxchat.export.hf_modeling is the exported model's code: it imports torch and transformers (the hf extra, ~5 s),
+# and tests/test_hf_export.py imports and runs it, where the extra is installed
+IMPORTABLE = [m for m in modules("jaxchat") + modules("scripts") if m != "jaxchat.export.hf_modeling"]
+RUN_AT_IMPORT = ("scripts.tok_train", "scripts.tok_eval")  # their work runs at import (no main)
+
+
+@pytest.mark.parametrize("module", IMPORTABLE)
 def test_every_module_imports(module):
-    if module in ("scripts.tok_train", "scripts.tok_eval"):
+    if module in RUN_AT_IMPORT:
         pytest.skip("runs its work at import (no main)")
     importlib.import_module(module)
 
@@ -102,8 +108,8 @@ def test_every_command_prints_its_help(capsys):
     """`python -m <module> --help` of each module with a main(argv): its usage, status 0. (argparse %-formats
     help texts: a bare % in one made scripts.train's and scripts.gpu_check's --help raise TypeError.)"""
     commands = 0
-    for module in modules("jaxchat") + modules("scripts"):
-        if module in ("scripts.tok_train", "scripts.tok_eval"):  # their work runs at import (no main)
+    for module in IMPORTABLE:
+        if module in RUN_AT_IMPORT:
             continue
         main = getattr(importlib.import_module(module), "main", None)
         if main is None:
