@@ -373,14 +373,15 @@ def pairs(tmp_path_factory, make_base_dir, start_train, rest_of_output, free_por
     bucket = f"{bucket_url}/pairs-{time.time_ns()}"
     # (PYTHONFAULTHANDLER: a process that the coordination service aborts prints every thread's Python stack)
     starts = {**env, "PYTHONFAULTHANDLER": "1"}
+    slurm = run_slurm_script(base_dir, tmp / "bin", subprocess_env, *PAIR_FLAGS, "--model-tag=whole")
+    assert slurm.returncode == 0, (slurm.stdout + slurm.stderr)[-3000:]
+    result = {"base": base_dir, "bucket": bucket, "env": env, "slurm": slurm, "whole": slurm.stdout,
+              "whole_curve": curve_rows(str(base_dir), "whole")}
     with pytest.MonkeyPatch.context() as patch:  # this process reads the bucket too
         for key, value in env.items():
             patch.setenv(key, value)
-        copy_to_bucket(base_dir, bucket)  # the tokenizer and the shards, as uploaded by a user
-        slurm = run_slurm_script(base_dir, tmp / "bin", subprocess_env, *PAIR_FLAGS, "--model-tag=whole")
-        assert slurm.returncode == 0, (slurm.stdout + slurm.stderr)[-3000:]
-        result = {"base": base_dir, "bucket": bucket, "env": env, "slurm": slurm, "whole": slurm.stdout,
-                  "whole_curve": curve_rows(str(base_dir), "whole")}
+        for name in ("tokenizer", "base_data"):  # as uploaded by a user
+            copy_to_bucket(base_dir / name, storage.join(bucket, name))
         # killed once step 1..4 is printed: before its first save (step 3), during it or after it
         result["kill"] = interrupt_pair_at(bucket, start_train, rest_of_output, free_port(), random.randint(1, 4),
                                            signal.SIGKILL, **starts)
