@@ -169,13 +169,19 @@ def gcs_server(tmp_path_factory):
         yield pair
 
 
+def point_clients_at_emulator(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
+    """This process's environment (and so its subprocesses') pointing every GCS client at the emulator (env: the
+    server's emulator_env), a developer's own key removed, until monkeypatch undoes it."""
+    monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+
+
 @pytest.fixture
 def gcs(gcs_server, monkeypatch, request) -> str:
     """A fresh gs:// prefix for one test, with this process's environment (and so its subprocesses') pointing every
     GCS client at the emulator, and only for this test."""
     bucket, env = gcs_server
-    monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
+    point_clients_at_emulator(monkeypatch, env)
     name = "".join(c if c.isalnum() else "-" for c in request.node.name)[:60]
     return f"{bucket}/{name}-{time.time_ns()}"

@@ -23,6 +23,7 @@ import orbax.checkpoint as ocp
 import pytest
 from conftest import TRAIN_STEP_LINE, VAL_BPB_LINE, host_xla_flags
 from etils import epath
+from gcs_server import point_clients_at_emulator
 
 from jaxchat import report, storage
 from jaxchat.checkpoint import run_directory
@@ -372,14 +373,13 @@ def pairs(tmp_path_factory, make_base_dir, start_train, rest_of_output, free_por
     bucket_url, env = gcs_server
     bucket = f"{bucket_url}/pairs-{time.time_ns()}"
     # (PYTHONFAULTHANDLER: a process that the coordination service aborts prints every thread's Python stack)
-    starts = {**env, "PYTHONFAULTHANDLER": "1"}
+    starts = {"PYTHONFAULTHANDLER": "1"}
     slurm = run_slurm_script(base_dir, tmp / "bin", subprocess_env, *PAIR_FLAGS, "--model-tag=whole")
     assert slurm.returncode == 0, (slurm.stdout + slurm.stderr)[-3000:]
     result = {"base": base_dir, "bucket": bucket, "env": env, "slurm": slurm, "whole": slurm.stdout,
               "whole_curve": curve_rows(str(base_dir), "whole")}
-    with pytest.MonkeyPatch.context() as patch:  # this process reads the bucket too
-        for key, value in env.items():
-            patch.setenv(key, value)
+    with pytest.MonkeyPatch.context() as patch:  # for the pairs started here, and this process's own reads
+        point_clients_at_emulator(patch, env)
         for name in ("tokenizer", "base_data"):  # as uploaded by a user
             copy_to_bucket(base_dir / name, storage.join(bucket, name))
         # killed once step 1..4 is printed: before its first save (step 3), during it or after it
@@ -398,8 +398,7 @@ def pairs(tmp_path_factory, make_base_dir, start_train, rest_of_output, free_por
 @pytest.fixture
 def in_the_bucket(pairs, monkeypatch) -> str:
     """The pairs' bucket, with this process's environment pointing every GCS client at its emulator (this test only)."""
-    for key, value in pairs["env"].items():
-        monkeypatch.setenv(key, value)
+    point_clients_at_emulator(monkeypatch, pairs["env"])
     return pairs["bucket"]
 
 
