@@ -12,7 +12,7 @@ from flax import nnx
 from compiled import forward, new_model
 from nanochat_numpy import np_forward, randomized
 from jaxchat.model.attention import causal_attention
-from jaxchat.model.gpt import GPT, CausalSelfAttention, GPTConfig, abstract_model
+from jaxchat.model.gpt import GPT, CausalSelfAttention, GPTConfig, Linear, abstract_model, use_fp8
 from jaxchat.export.nanochat import from_nanochat_state_dict, to_nanochat_state_dict
 
 TINY = GPTConfig(sequence_len=16, vocab_size=100, n_layer=3, n_head=4, n_kv_head=2, n_embd=32, window_pattern="SL")
@@ -57,6 +57,18 @@ def test_windowed_small_config_flops():
     assert n == 2 * V * C + 5 * (C * C + 2 * C * kv + C * C + 8 * C * C) + 2 * 5
     assert model.estimate_flops() == spec_flops(config, n)
     assert config.window_sizes() == (32, 32, 64, 32, 64)
+
+
+def test_each_abstract_model_is_its_own():
+    """abstract_model keeps its trace of the constructor per process: what one caller changes on its model (fp8
+    switched on, as build_run does) is not in the next caller's, nor are its Variables the next one's."""
+    config = GPTConfig(sequence_len=64, vocab_size=512, n_layer=2, n_head=1, n_kv_head=1, n_embd=128)
+    first = abstract_model(config)
+    assert use_fp8(first)[0] > 0
+    second = abstract_model(config)
+    assert not any(node.fp8_enabled for _, node in nnx.iter_graph(second) if isinstance(node, Linear))
+    assert second.wte.embedding is not first.wte.embedding
+    assert nnx.state(second) == nnx.state(first)  # the same shapes and dtypes
 
 
 def test_vocab_padding_and_init_table():
