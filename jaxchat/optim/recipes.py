@@ -327,10 +327,11 @@ class Optimizer:
         return self.layout.from_view(updates), state
 
     def schedules_at(self, steps) -> dict[str, np.ndarray]:
-        """The values of the schedules at these steps (host arrays, for logging)."""
-        steps = np.asarray(steps)
-        return {"lrm": np.asarray(self.lr_multiplier(steps)), "muon_momentum": np.asarray(self.muon_momentum(steps)),
-                "weight_decay": np.asarray(self.weight_decay(steps))}
+        """The values of the schedules at these steps (host arrays, for logging), computed by one jitted program
+        as the step computes them (op by op, each jnp operation would compile its own: 0.45 s a run, not 0.08 s)."""
+        values = jax.jit(lambda s: {"lrm": self.lr_multiplier(s), "muon_momentum": self.muon_momentum(s),
+                                    "weight_decay": self.weight_decay(s)})(np.asarray(steps))
+        return jax.tree.map(np.asarray, values)
 
     def state_axes(self, opt_state, param_axes: list[tuple]) -> list[tuple]:
         """Logical axes of every optimizer-state leaf (a list in leaf order): those of the view leaf it
