@@ -1,6 +1,7 @@
 """Small things every module needs: the base directory, printing from process 0,
 the device kind and its compute dtype, peak FLOP/s for MFU, a wandb stand-in."""
 
+import functools
 import logging
 import math
 import os
@@ -8,6 +9,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
@@ -156,6 +158,20 @@ def backend() -> str:
     import jax
 
     return jax.default_backend()
+
+
+def per_process_cache(fn: Callable) -> Callable:
+    """fn(*args, **model_kwargs), every argument hashable, computed once per process for each set of arguments
+    and the backend, which picks the defaults that a GPT's keyword arguments leave out (compute_dtype,
+    jaxchat.model.attention.default_implementation). Callers share the value kept: they copy what they change."""
+    @functools.lru_cache(maxsize=32)
+    def cached(platform: str, args: tuple, model_kwargs: tuple):
+        return fn(*args, **dict(model_kwargs))
+
+    @functools.wraps(fn)
+    def call(*args, **model_kwargs):
+        return cached(backend(), args, tuple(sorted(model_kwargs.items())))
+    return call
 
 
 def compute_dtype(platform: str | None = None) -> "jnp.dtype":

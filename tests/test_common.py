@@ -1,4 +1,4 @@
-"""Progress display, the peak FLOP/s table, and the libraries kept quiet."""
+"""Progress display, the peak FLOP/s table, the libraries kept quiet, and what a process keeps of its traces."""
 
 import io
 import logging
@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from jaxchat.common import VERBOSE_ENV, Progress, eta_text, peak_flops_per_device, quiet_jax_warnings
+from jaxchat.common import (VERBOSE_ENV, Progress, eta_text, peak_flops_per_device, per_process_cache,
+                            quiet_jax_warnings)
 
 
 class FakeDevice:
@@ -124,3 +125,18 @@ def test_a_missing_tokenizer_data_or_model_names_the_base_dir_and_the_one_that_h
         get_tokenizer(str(tmp_path / "mine"))
     assert str(info.value) == (f"no tokenizer at {tmp_path / 'mine'} (tokenizer.tiktoken is missing); "
                                "train one with `python -m scripts.tok_train`")
+
+
+def test_per_process_cache_computes_once_per_arguments_and_backend(monkeypatch):
+    """The backend is part of the key: it picks the defaults of what the arguments leave out (a GPT's dtype)."""
+    calls = []
+
+    @per_process_cache
+    def scaled_square(x, *, scale=1):
+        calls.append((x, scale))
+        return x * x * scale
+
+    assert scaled_square(3) == scaled_square(3) == 9 and scaled_square(3, scale=2) == 18
+    monkeypatch.setattr("jaxchat.common.backend", lambda: "gpu")
+    assert scaled_square(3) == 9
+    assert calls == [(3, 1), (3, 2), (3, 1)]
