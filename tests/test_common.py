@@ -1,8 +1,10 @@
-"""Progress display, the peak FLOP/s table, the libraries kept quiet, and what a process keeps of its traces."""
+"""Progress display, the peak FLOP/s table, the libraries kept quiet, what a process keeps of its traces, and how it
+exits."""
 
 import io
 import logging
 import os
+import subprocess
 import sys
 
 import pytest
@@ -140,3 +142,13 @@ def test_per_process_cache_computes_once_per_arguments_and_backend(monkeypatch):
     monkeypatch.setattr("jaxchat.common.backend", lambda: "gpu")
     assert scaled_square(3) == 9
     assert calls == [(3, 1), (3, 2), (3, 1)]
+
+
+@pytest.mark.slow
+def test_a_process_that_imported_jaxchat_ends_with_its_objects_frozen():
+    """The package's exit handler runs after those registered before it was imported: by then gc.freeze() has moved
+    every object to the permanent generation (jaxchat/__init__.py), which the final collections skip."""
+    probe = ("import atexit, gc; atexit.register(lambda: print(gc.get_freeze_count() > 0)); "
+             "print(gc.get_freeze_count() > 0); import jaxchat")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["False", "True"], done.stdout + done.stderr
