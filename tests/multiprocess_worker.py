@@ -1,15 +1,15 @@
-"""Five steps of a tiny GPT on a fixed global batch over the devices of a mesh, each process feeding only
-the rows that live on its own devices. test_trainer.py runs it as two jax.distributed processes
-(`python multiprocess_worker.py` with JAX_COORDINATOR_ADDRESS set: it prints the losses) and imports
-train_losses for the one-process reference. `python multiprocess_worker.py P S`: process P raises an
-out-of-memory of its own in step S, and every process ends as scripts.train's do (test_multihost.py)."""
+"""Steps of a tiny GPT on a fixed global batch over the devices of a mesh, each process feeding only the rows
+that live on its own devices. test_multihost.py runs it as two jax.distributed processes (`python
+multiprocess_worker.py P S` with JAX_COORDINATOR_ADDRESS set): five steps together, each loss printed as it comes,
+then process P raises an out-of-memory of its own in step S (5), and every process ends as scripts.train's do;
+it imports train_losses for the one-process reference of the five steps."""
 
 import sys
 
 import numpy as np
 
 
-def train_losses(mesh, fails_at: tuple[int, int] | None = None) -> list[float]:
+def train_losses(mesh, fails_at: tuple[int, int] | None = None, say=lambda line: None) -> list[float]:
     import jax
     from flax import nnx
 
@@ -29,7 +29,7 @@ def train_losses(mesh, fails_at: tuple[int, int] | None = None) -> list[float]:
     rows = 8 // jax.process_count()
     lo = jax.process_index() * rows
     losses = []
-    for s in range(5):
+    for s in range(5 if fails_at is None else fails_at[1] + 1):
         rng = np.random.default_rng(s)
         x = rng.integers(0, config.vocab_size, size=(1, 8, config.sequence_len)).astype(np.int32)
         y = np.roll(x, -1, axis=-1)
@@ -39,6 +39,7 @@ def train_losses(mesh, fails_at: tuple[int, int] | None = None) -> list[float]:
             state.params, state.opt_state, metrics = step(state.params, state.opt_state,
                                                           put_batch(x[:, lo:lo + rows], spec), put_batch(y[:, lo:lo + rows], spec))
             losses.append(float(metrics["loss"]))
+            say(f"LOSS {s} {losses[-1]:.8f}")
         except (Exception, KeyboardInterrupt) as error:
             end_after_error(error, s, finish_saving=lambda: None, newest_step=lambda: None)
             raise
@@ -54,5 +55,4 @@ if __name__ == "__main__":
     watch_peers()
     mesh = make_mesh()
     assert mesh.devices.size == 4, mesh
-    fails_at = tuple(map(int, sys.argv[1:3])) or None
-    print("LOSSES " + " ".join(f"{v:.8f}" for v in train_losses(mesh, fails_at)), flush=True)
+    train_losses(mesh, tuple(map(int, sys.argv[1:3])) or None, say=lambda line: print(line, flush=True))
